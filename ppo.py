@@ -1,0 +1,50 @@
+"""The PPO update shared by every method here: clipped surrogate, k3 KL to a reference, whitening.
+
+Shapes: every tensor is [B, L-1], aligned with the actions: position t holds the log-prob,
+advantage, ... of token t+1 (reference pitfall 6); `mask` is 1 on response tokens.
+"""
+import torch
+
+
+def masked_mean(x, mask, dim=None):
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x, mask, eps: float = 1e-8):
+    """(x - mean) / sqrt(var + eps) over the masked entries, unbiased variance (reference §2.6)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask) * mask.sum() / (mask.sum() - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1, d = ref - logp.
+    Unbiased for samples from pi, always >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: float = 1e-4,
+             max_ratio: float = 10.0):
+    """Clipped PPO objective (Schulman et al. 2017, eq. 7) as a token-level masked mean, plus the
+    KL penalty inside the loss (VinePPO §5 / reference §2.5):
+
+        L = mean_t max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps)) + beta * mean_seq sum_t clamp(k3_t, 0, 10)
+
+    with r_t = pi(a_t|s_t) / pi_old(a_t|s_t). When the mean ratio exceeds max_ratio the batch is
+    skipped (loss x 0), as the reference does. Returns (loss, stats)."""
+    log_ratio = (logp - old_logp) * mask
+    ratio = torch.exp(log_ratio)
+    pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip))
+    pg_loss = masked_mean(pg, mask)
+    kl = (k3_kl(logp, ref_logp) * mask).clamp(0, 10).sum(-1).mean()
+    loss = pg_loss + kl_coef * kl
+    mean_ratio = masked_mean(ratio, mask)
+    skipped = bool(mean_ratio > max_ratio)
+    if skipped:
+        loss = loss * 0.0
+    with torch.no_grad():
+        stats = {"policy_loss": pg_loss.item(), "kl": kl.item(), "ratio": mean_ratio.item(),
+                 "clipfrac": masked_mean(((ratio - 1).abs() > clip).float(), mask).item(),
+                 "approx_kl": masked_mean(ratio - 1 - log_ratio, mask).item(), "skipped": float(skipped)}
+    return loss, stats

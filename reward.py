@@ -1,0 +1,116 @@
+"""Tasks: problems in GSM8K's format and their verifiable rewards.
+
+A problem is a dict {"question": str, "answer": str} whose answer ends in "#### N", as in
+GSM8K. Two sources share every line of code after loading:
+  - "gsm8k" (the hub dataset openai/gsm8k) or a local .jsonl file in the same format;
+  - "arith", the built-in offline task: a chain of additions and subtractions solved one
+    line per step.
+"""
+import json
+import random
+import re
+
+PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the reference's prompt, no trailing space
+
+
+class DataError(ValueError):
+    """Bad input data: the message names the file, the line and what was expected."""
+
+
+# ---- grading (reference: tasks/gsm8k.py, use_original_format=True) --------------------------
+
+def extract_answer(text: str) -> str | None:
+    """Everything after the last '####', stripped; None when there is no '####'."""
+    if "####" not in text:
+        return None
+    return text.split("####")[-1].strip()
+
+
+def gsm8k_reward(completion: str, gold_answer: str) -> float:
+    """1.0 iff the predicted answer equals the gold one as strings (commas removed from the
+    prediction, case ignored); 0.0 otherwise, and for a missing answer. No float parsing and
+    never `eval`: '72.0', '$72' and '72 apples' are all wrong, as in the reference.
+    `gold_answer` may be the full GSM8K answer field (with '#### N') or the bare number."""
+    gold = extract_answer(gold_answer)
+    gold = gold_answer.strip() if gold is None else gold
+    pred = extract_answer(completion)
+    if pred is None:
+        return 0.0
+    return float(pred.replace(",", "").lower() == gold.lower())
+
+
+def sft_target(answer: str) -> str:
+    """The SFT response of the reference: '\\n' + answer without <<calculator>> notes + '\\n'."""
+    return "\n" + re.sub(r"<<[^>]*>>", "", answer) + "\n"
+
+
+# ---- the built-in task: chains of additions and subtractions ----------------------------------
+
+def arith_problem(rng: random.Random, min_steps: int, max_steps: int, max_operand: int = 9) -> dict:
+    """'What is 7+3-5?' -> '7+3=10\n10-5=5\n#### 5': one line per operation, so an early slip
+    makes the answer wrong. The running total stays >= 0; more steps make it harder."""
+    total = rng.randint(1, max_operand)
+    question, lines = str(total), []
+    for _ in range(rng.randint(min_steps, max_steps)):
+        x = rng.randint(1, max_operand)
+        sign = rng.choice("+-") if total >= x else "+"
+        new = total + x if sign == "+" else total - x
+        question += f"{sign}{x}"
+        lines.append(f"{total}{sign}{x}={new}")
+        total = new
+    return {"question": f"What is {question}?", "answer": "\n".join(lines) + f"\n#### {total}"}
+
+
+def arith_dataset(n: int, seed: int, min_steps: int = 2, max_steps: int = 5) -> list[dict]:
+    rng = random.Random(seed)
+    return [arith_problem(rng, min_steps, max_steps) for _ in range(n)]
+
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+def check_problem(row, where: str) -> dict:
+    """A problem must have string 'question' and 'answer' fields, the answer ending in '#### N'."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object with 'question' and 'answer', got {type(row).__name__}")
+    for field in ("question", "answer"):
+        if not isinstance(row.get(field), str) or not row[field].strip():
+            raise DataError(f"{where}: missing or empty string field '{field}'")
+    if not extract_answer(row["answer"]):
+        raise DataError(f"{where}: 'answer' has no final '#### <number>' line")
+    return {"question": row["question"], "answer": row["answer"]}
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Problems from a GSM8K-format .jsonl file, with errors that name the line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read ({e})") from None
+    problems = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); expected one object per line") from None
+        problems.append(check_problem(row, f"{path}:{i}"))
+    if not problems:
+        raise DataError(f"{path}: no problems found; expected JSON lines with 'question' and 'answer'")
+    return problems
+
+
+def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0) -> list[dict]:
+    """'arith' (train and test drawn with different seeds) | 'gsm8k' (hub dataset
+    openai/gsm8k, config 'main') | a path to a .jsonl file (the split is ignored)."""
+    if data == "arith":
+        return arith_dataset(n_arith, seed=seed + (0 if split == "train" else 10_000))
+    if data.endswith(".jsonl"):
+        return read_jsonl(data)
+    if data == "gsm8k":
+        from datasets import load_dataset  # imported here: the offline demo never needs it
+        rows = load_dataset("openai/gsm8k", "main", split=split)
+        return [check_problem(r, f"openai/gsm8k[{split}][{i}]") for i, r in enumerate(rows)]
+    raise DataError(f"--data {data!r}: expected 'arith', 'gsm8k' or a path ending in .jsonl")

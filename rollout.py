@@ -1,0 +1,114 @@
+"""Sampling with HF `generate`, per-token log-probs, and KV-cache prefix forking.
+
+A text environment can be reset to any prefix (VinePPO §3). Here that reset costs nothing
+but a gather: the forward pass over whole trajectories already holds the keys/values of
+every prefix, so a state is forked by cropping that cache at the state's boundary,
+repeating it K times and decoding on from there. Many states of many trajectories are
+forked together: their prefixes are right-aligned (left padding inside the cache), the
+attention mask hides the padding, and `generate` derives positions from the mask.
+"""
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class Episode:
+    """One sampled response and everything computed from it, all in token space."""
+    prompt_ids: list[int]      # BOS + prompt tokens
+    response_ids: list[int]    # sampled tokens, EOS included when the policy stopped
+    gold: str                  # the problem's answer field, for grading
+    group: int                 # index of the prompt in this iteration's batch
+    finished: bool             # stopped on EOS within the token budget
+    reward: float = 0.0
+    step_starts: list[int] = field(default_factory=list)   # token index where each step starts
+    values: list[float] = field(default_factory=list)      # V(s_0..s_{n-1}), s_0 = prompt only
+    advantages: torch.Tensor | None = None                 # [T] one per response token
+    old_logp: torch.Tensor | None = None                   # [T] log-probs under the sampling policy
+    ref_logp: torch.Tensor | None = None                   # [T] log-probs under the reference
+
+
+def pad_right(seqs: list[list[int]], pad_id: int, device=None):
+    """Right-padded [B, L] ids and attention mask."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in seqs])
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    return ids.to(device), mask.to(device)
+
+
+def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
+    """log pi(x_{t+1} | x_<=t) for t = 0..L-2: [B, L-1]. Logits are divided by the sampling
+    temperature, because the policy that sampled was softmax(logits / T) (reference §2.3).
+    With keep_cache, also returns the KV cache of this pass, for forking."""
+    out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
+    logits = out.logits[:, :-1].float() / temperature                      # [B, L-1, V]
+    logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, L-1]
+    return logp, (out.cache if keep_cache else None)
+
+
+def fork_cache(cache, rows: torch.Tensor, ends: torch.Tensor, width: int) -> DynamicCache:
+    """Keys/values of prefixes seq[rows[j], :ends[j]-1], right-aligned in width-1 columns.
+
+    The last prefix token is left out: `generate` feeds it to get the first new logits.
+    Columns left of a prefix are padding (masked); rows may repeat (K forks of one state)."""
+    cols = ends[:, None] - width + torch.arange(width - 1, device=ends.device)  # [n, W-1]
+    cols = cols.clamp(min=0)
+    layers = []
+    for keys, values, *_ in cache:  # each [B, H, L, D]
+        # advanced indices on dims 0 and 2 -> [n, W-1, H, D] -> [n, H, W-1, D]
+        layers.append((keys[rows[:, None], :, cols].transpose(1, 2),
+                       values[rows[:, None], :, cols].transpose(1, 2)))
+    return DynamicCache(ddp_cache_data=layers)
+
+
+@torch.no_grad()
+def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temperature: float,
+           top_p: float, eos_id: int, pad_id: int, cache=None, rows: list[int] | None = None,
+           max_batch_tokens: int = 65536):
+    """k continuations of every prefix, sampled with HF `generate` (temperature 0 = greedy).
+
+    `cache` is the KV cache of a forward pass over a right-padded batch whose row rows[j]
+    starts with prefixes[j]; without one, the prefixes are encoded here, once each, not once
+    per sample. Continuation j may use at most budgets[j] new tokens. Prefixes are decoded
+    together in batches of at most max_batch_tokens (rows x (prefix + budget)).
+    Returns (continuations, finished): for each prefix, k lists of new ids (EOS kept) and k
+    flags, True when EOS came within the budget."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()  # no dropout while sampling; restored on return
+    if cache is None:
+        ids, mask = pad_right(prefixes, pad_id, device)
+        cache = model(input_ids=ids, attention_mask=mask, use_cache=True).cache
+        rows = list(range(len(prefixes)))
+    order = sorted(range(len(prefixes)), key=lambda j: (budgets[j], len(prefixes[j])))
+    conts, done = [None] * len(prefixes), [None] * len(prefixes)
+    while order:
+        chunk = [order.pop()]  # greedily fill a batch, longest budget first
+        cost = lambda c: len(c) * k * (max(len(prefixes[j]) for j in c) + budgets[c[0]])
+        while order and cost(chunk + order[-1:]) <= max_batch_tokens:
+            chunk.append(order.pop())
+        width = max(len(prefixes[j]) for j in chunk)
+        rep = lambda xs: torch.tensor(xs, device=device).repeat_interleave(k)
+        ends = rep([len(prefixes[j]) for j in chunk])
+        forked = fork_cache(cache, rep([rows[j] for j in chunk]), ends, width)
+        ids = torch.full((len(chunk) * k, width), pad_id, device=device)  # [n*k, W] left-padded prefixes
+        for i, j in enumerate(chunk):
+            ids[i * k:(i + 1) * k, width - len(prefixes[j]):] = torch.tensor(prefixes[j], device=device)
+        mask = (torch.arange(width, device=device)[None, :] >= width - ends[:, None]).long()
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=budgets[chunk[0]],
+                             eos_token_id=eos_id, pad_token_id=pad_id, **sampling)
+        new = out[:, width:].tolist()
+        for i, j in enumerate(chunk):
+            conts[j], done[j] = [], []
+            for seq in new[i * k:(i + 1) * k]:
+                seq = seq[: seq.index(eos_id) + 1] if eos_id in seq else seq
+                seq = seq[: budgets[j]]
+                conts[j].append(seq)
+                done[j].append(bool(seq) and seq[-1] == eos_id)
+    model.train(was_training)
+    return conts, done

@@ -1,0 +1,356 @@
+"""VinePPO fine-tuning of a causal LM on a verifiable reasoning task. The only entry point.
+
+    python train.py                                        # offline demo: tiny model, arithmetic chains
+    python train.py --model rho-math-1.1b --data gsm8k     # the paper's setting (GPU, hub access)
+
+One iteration (VinePPO, Algorithm 1): sample prompts -> sample responses -> grade them -> MC values
+from forked continuations at every step boundary -> step advantages -> old and reference
+log-probs -> epochs of clipped PPO on minibatches -> log, evaluate, checkpoint.
+"""
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+import ppo
+import rollout
+import vine
+from reward import PROMPT, DataError, gsm8k_reward, load_problems, sft_target
+
+
+def arg(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    """Defaults follow the reference's rho-1.1B GSM8K run; DEMO below overrides a few for --model tiny."""
+    model: str = arg("tiny", "'tiny' (built offline), 'rho-math-1.1b', or any HF model id / local path")
+    data: str = arg("arith", "'arith' (built-in task), 'gsm8k' (hub), or a .jsonl file with question/answer")
+    eval_data: str = arg("", "held-out problems; default: the test split of --data (the same file for .jsonl)")
+    out: str = arg("out", "output directory: metrics.jsonl, samples.jsonl, checkpoint/")
+    seed: int = arg(0, "random seed")
+    iterations: int = arg(650, "RL iterations (sample, estimate, update)")
+    prompts_per_iter: int = arg(64, "problems sampled per iteration")
+    samples_per_prompt: int = arg(8, "responses sampled per problem")
+    mc_rollouts: int = arg(9, "K: continuations per state for the MC value")
+    max_value_states: int = arg(25, "states past this step index take the realised return (reference cap)")
+    epochs: int = arg(2, "PPO epochs over each iteration's episodes")
+    minibatch: int = arg(64, "episodes per optimizer step")
+    micro_batch: int = arg(16, "episodes per forward/backward pass (gradient accumulation)")
+    lr: float = arg(1e-6, "policy learning rate (AdamW)")
+    warmup: float = arg(0.03, "fraction of optimizer steps with log-shaped warm-up, then linear decay to 0")
+    clip: float = arg(0.2, "PPO clip range epsilon")
+    kl_coef: float = arg(1e-4, "coefficient of the k3 KL to the reference model, in the loss")
+    temperature: float = arg(0.6, "sampling temperature (also divides the logits of every training log-prob)")
+    top_p: float = arg(0.9, "nucleus sampling")
+    max_new_tokens: int = arg(1024, "token budget of a response; an unfinished response scores 0")
+    max_prompt_tokens: int = arg(1512, "problems with longer prompts are skipped")
+    eval_every: int = arg(10, "evaluate every N iterations (iteration 0 = before RL)")
+    eval_problems: int = arg(0, "held-out problems per evaluation (0 = all)")
+    eval_samples: int = arg(16, "samples per held-out problem (accuracy = mean over them)")
+    eval_temperature: float = arg(0.35, "sampling temperature at evaluation")
+    save_every: int = arg(10, "write OUT/checkpoint every N iterations (and at the end)")
+    sft_steps: int = arg(0, "supervised warm-up steps on the gold solutions before RL")
+    sft_lr: float = arg(1e-5, "SFT learning rate")
+    sft_batch: int = arg(64, "SFT batch size")
+    max_batch_tokens: int = arg(262144, "memory budget of one generation / forward batch, in tokens")
+    device: str = arg("auto", "'cuda', 'cpu' or 'auto'")
+
+
+# The offline demo (--model tiny): a 0.9M-parameter model trained from scratch in minutes on a CPU.
+DEMO = dict(iterations=16, prompts_per_iter=32, samples_per_prompt=4, mc_rollouts=4, minibatch=32,
+            micro_batch=32, lr=2e-4, warmup=0.0, kl_coef=1e-3, max_new_tokens=64, eval_every=4,
+            eval_problems=200, eval_samples=2, save_every=4, sft_steps=400, sft_lr=3e-3,
+            max_batch_tokens=32768)
+ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}
+
+
+def parse_args(argv=None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        p.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None,
+                       help=f"{f.metadata['help']} (default: {f.default})")
+    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    preset = DEMO if given.get("model", Config.model) == "tiny" else {}
+    return Config(**{**preset, **given})
+
+
+# ---- models -------------------------------------------------------------------------------
+
+def build_tiny_model(path: str, seed: int):
+    """A 4-layer, 128-wide Llama with random weights and a character-level tokenizer built in
+    code, saved with save_pretrained so that it loads through the same path as a hub model."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per char
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def load_model(name: str, device, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    except (OSError, ValueError) as e:
+        raise DataError(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]}); expected 'tiny', "
+                        f"one of {sorted(ALIASES)}, a local directory or a reachable hub id") from None
+    return tok, model
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+def encode_prompt(tok, question: str) -> list[int]:
+    ids = tok(PROMPT.format(question=question.strip()), add_special_tokens=False).input_ids
+    return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
+
+
+def group_chunks(episodes, max_tokens: int):
+    """Consecutive episodes in batches of about max_tokens, never splitting one prompt's samples,
+    so that identical states (which only share a prompt) meet in one batch."""
+    chunk, width = [], 0
+    for ep in episodes:
+        new_group = not chunk or ep.group != chunk[-1].group
+        w = max(width, len(ep.prompt_ids) + len(ep.response_ids))
+        if chunk and new_group and w * (len(chunk) + 1) > max_tokens:
+            yield chunk
+            chunk, w = [], len(ep.prompt_ids) + len(ep.response_ids)
+        chunk.append(ep)
+        width = w
+    if chunk:
+        yield chunk
+
+
+def per_response(logp, episodes):
+    """Row slices of a [B, L-1] tensor -> one [T] tensor per episode (its response tokens)."""
+    return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
+            for i, ep in enumerate(episodes)]
+
+
+def collate(episodes, pad_id, device):
+    """Right-padded ids [B, L], attention mask, and [B, L-1] action-aligned tensors: action mask,
+    old log-probs, reference log-probs, advantages."""
+    ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id, device)
+    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ("act", "old", "ref", "adv")}
+    for i, ep in enumerate(episodes):
+        s = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
+        out["act"][i, s], out["old"][i, s], out["ref"][i, s], out["adv"][i, s] = 1, ep.old_logp, ep.ref_logp, ep.advantages
+    return ids, mask, out
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """DeepSpeed WarmupDecayLR as the reference runs it: log-shaped warm-up, then linear decay to 0."""
+    if step < warmup:
+        return math.log(step + 1) / math.log(warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def save_checkpoint(out: str, policy, tok, state: dict):
+    """Write OUT/checkpoint atomically: build it in a temporary directory, then swap it in."""
+    final, tmp, old = (os.path.join(out, n) for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+def main(cfg: Config):
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    on_gpu = device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else nullcontext()  # fp32 master weights
+    os.makedirs(cfg.out, exist_ok=True)
+
+    train_set = load_problems(cfg.data, "train", seed=cfg.seed)
+    eval_set = load_problems(cfg.eval_data or cfg.data, "test", seed=cfg.seed)
+    if cfg.eval_problems:
+        eval_set = eval_set[: cfg.eval_problems]
+    name = ALIASES.get(cfg.model, cfg.model)
+    if name == "tiny":
+        name = os.path.join(cfg.out, "tiny-init")
+        build_tiny_model(name, cfg.seed)
+    tok, policy = load_model(name, device)
+    eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)  # token id -> text
+    gen = dict(temperature=cfg.temperature, top_p=cfg.top_p, eos_id=eos, pad_id=pad, max_batch_tokens=cfg.max_batch_tokens)
+    for split in (train_set, eval_set):
+        for p in split:
+            p["prompt_ids"] = encode_prompt(tok, p["question"])
+    train_set = [p for p in train_set if len(p["prompt_ids"]) <= cfg.max_prompt_tokens]
+
+    def grade(response_ids, ep) -> float:
+        return gsm8k_reward(tok.decode(response_ids, skip_special_tokens=True), ep.gold)
+
+    def sample_episodes(problems, k, temperature):
+        with autocast:
+            conts, done = rollout.sample(policy, [p["prompt_ids"] for p in problems], k, [cfg.max_new_tokens] * len(problems),
+                                         **{**gen, "temperature": temperature})
+        eps = [rollout.Episode(p["prompt_ids"], c, p["answer"], g, f)
+               for g, (p, cs, fs) in enumerate(zip(problems, conts, done)) for c, f in zip(cs, fs)]
+        for ep in eps:
+            ep.reward = grade(ep.response_ids, ep) if ep.finished else 0.0
+        return eps
+
+    def evaluate(iteration: int) -> float:
+        eps = sample_episodes(eval_set, cfg.eval_samples, cfg.eval_temperature)
+        with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
+            for ep in eps[: 3 * cfg.eval_samples: cfg.eval_samples]:
+                f.write(json.dumps({"iteration": iteration, "prompt": tok.decode(ep.prompt_ids, skip_special_tokens=True),
+                                    "response": tok.decode(ep.response_ids, skip_special_tokens=True),
+                                    "gold": ep.gold, "reward": ep.reward}) + "\n")
+        return sum(ep.reward for ep in eps) / len(eps)
+
+    # ---- SFT warm start on the gold solutions (reference §3.3 format) ----
+    if cfg.sft_steps:
+        sft_opt = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+        rng = random.Random(cfg.seed)
+        for step in tqdm(range(cfg.sft_steps), desc="sft"):
+            batch = rng.sample(train_set, min(cfg.sft_batch, len(train_set)))
+            targets = [tok(sft_target(p["answer"]), add_special_tokens=False).input_ids + [eos] for p in batch]
+            ids, mask = rollout.pad_right([p["prompt_ids"] + t for p, t in zip(batch, targets)], pad, device)
+            labels = ids.masked_fill(mask == 0, -100)
+            for i, p in enumerate(batch):
+                labels[i, : len(p["prompt_ids"])] = -100
+            for group in sft_opt.param_groups:
+                group["lr"] = cfg.sft_lr * min(1.0, (step + 1) / 20) * (1 - step / cfg.sft_steps)
+            with autocast:
+                loss = policy(input_ids=ids, attention_mask=mask, labels=labels).loss
+            sft_opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            sft_opt.step()
+        del sft_opt
+
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)  # frozen reference = the starting policy
+    if on_gpu:
+        ref.to(torch.bfloat16)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    steps_per_iter = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
+    total = cfg.iterations * steps_per_iter
+    warmup = int(cfg.warmup * total)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, warmup))
+    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    open(metrics_path, "w").close()
+
+    def log(row: dict):
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+
+    log({"iteration": 0, "eval_accuracy": evaluate(0)})
+    for it in range(1, cfg.iterations + 1):
+        t0 = time.time()
+        times = {}
+        # 1-3. sample prompts (reference: shuffle with seed + iteration), responses, rewards
+        problems = random.Random(cfg.seed + it).sample(train_set, min(cfg.prompts_per_iter, len(train_set)))
+        episodes = sample_episodes(problems, cfg.samples_per_prompt, cfg.temperature)
+        for ep in episodes:
+            ep.step_starts = vine.step_starts([pieces[i] for i in ep.response_ids])
+        times["time_rollout"] = time.time() - t0
+
+        # 4. old log-probs; for VinePPO, MC values from forks of the same forward pass's KV cache
+        t = time.time()
+        n_states, mc_tokens = 0, 0
+        for chunk in tqdm(list(group_chunks(episodes, cfg.max_batch_tokens)), desc=f"values {it}", leave=False):
+            ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad, device)
+            with torch.no_grad(), autocast:
+                logp, cache = rollout.token_logprobs(policy, ids, mask, cfg.temperature, keep_cache=True)
+                s, n = vine.mc_values(policy, chunk, cache, list(range(len(chunk))), cfg.mc_rollouts, grade,
+                                      max_new_tokens=cfg.max_new_tokens, max_states=cfg.max_value_states, **gen)
+            n_states, mc_tokens = n_states + s, mc_tokens + n
+            for ep, lp in zip(chunk, per_response(logp, chunk)):
+                ep.old_logp = lp
+            del cache
+        # 5. step advantages, broadcast to tokens (VinePPO §4)
+        for ep in episodes:
+            adv = vine.step_advantages(ep.values, ep.reward)
+            ep.advantages = torch.tensor(vine.token_advantages(ep.step_starts, adv, len(ep.response_ids)))
+        times["time_values"] = time.time() - t
+
+        # 6. reference log-probs, once per iteration
+        t = time.time()
+        for chunk in group_chunks(episodes, cfg.max_batch_tokens):
+            ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad, device)
+            with torch.no_grad(), autocast:
+                logp, _ = rollout.token_logprobs(ref, ids, mask, cfg.temperature)
+            for ep, lp in zip(chunk, per_response(logp, chunk)):
+                ep.ref_logp = lp
+        times["time_logprobs"] = time.time() - t
+
+        # 7. PPO epochs over shuffled minibatches; advantages whitened per minibatch (reference §2.6)
+        t = time.time()
+        stats, grad_norms = [], []
+        policy.train()
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(len(episodes)).tolist()
+            for lo in tqdm(range(0, len(order), cfg.minibatch), desc=f"update {it}.{epoch}", leave=False):
+                batch = [episodes[i] for i in order[lo: lo + cfg.minibatch]]
+                ids, mask, b = collate(batch, pad, device)
+                adv = ppo.masked_whiten(b["adv"], b["act"])
+                opt.zero_grad()
+                for m in range(0, len(batch), cfg.micro_batch):
+                    s = slice(m, m + cfg.micro_batch)
+                    with autocast:
+                        logp, _ = rollout.token_logprobs(policy, ids[s], mask[s], cfg.temperature)
+                    loss, st = ppo.ppo_loss(logp, b["old"][s], b["ref"][s], adv[s], b["act"][s], cfg.clip, cfg.kl_coef)
+                    (loss * ids[s].shape[0] / len(batch)).backward()
+                    stats.append(st)
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item())
+                opt.step()
+                sched.step()
+        times["time_update"] = time.time() - t
+
+        # 8. log, evaluate, checkpoint
+        row = {"iteration": it, "train_reward": sum(ep.reward for ep in episodes) / len(episodes)}
+        if it % cfg.eval_every == 0 or it == cfg.iterations:
+            row["eval_accuracy"] = evaluate(it)
+        row.update({k: sum(s[k] for s in stats) / len(stats) for k in ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio")})
+        row["skipped_batches"] = int(sum(s["skipped"] for s in stats))
+        row["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        row["response_tokens"] = sum(len(ep.response_ids) for ep in episodes) / len(episodes)
+        row["mc_states"] = n_states
+        row["tokens_generated"] = sum(len(ep.response_ids) for ep in episodes) + mc_tokens
+        row["lr"] = sched.get_last_lr()[0]
+        row.update(times)
+        row["seconds"] = time.time() - t0
+        log(row)
+        if it % cfg.save_every == 0 or it == cfg.iterations:
+            save_checkpoint(cfg.out, policy, tok, {"iteration": it, "config": dataclasses.asdict(cfg)})
+
+
+if __name__ == "__main__":
+    cfg = parse_args()
+    try:
+        main(cfg)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
