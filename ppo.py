@@ -1,4 +1,6 @@
-"""The PPO update shared by every method here: clipped surrogate, k3 KL to a reference, whitening.
+"""The PPO update shared by every method here (clipped surrogate, k3 KL to a reference,
+whitening) and the advantage estimators that differ between them: GAE for a critic, group
+normalisation for GRPO. VinePPO's Monte Carlo advantages are in vine.py.
 
 Shapes: every tensor is [B, L-1], aligned with the actions: position t holds the log-prob,
 advantage, ... of token t+1 (reference pitfall 6); `mask` is 1 on response tokens.
@@ -15,6 +17,40 @@ def masked_whiten(x, mask, eps: float = 1e-8):
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask) * mask.sum() / (mask.sum() - 1).clamp(min=1)
     return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
+    """Generalized advantage estimation (Schulman et al. 2016, eq. 16); all [B, T] and
+    right-padded. values[:, t] = V(s_t), the state before action t; the value after the last
+    action is 0 (terminal):
+        delta_t = r_t + gamma V(s_{t+1}) - V(s_t),   A_t = delta_t + gamma lam A_{t+1}
+    With gamma = lam = 1 and the reward R on the last token, A_t = R - V(s_t).
+    Returns (advantages, returns = advantages + values, the critic's regression target)."""
+    values = values * mask
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
+    deltas = (rewards + gamma * next_values - values) * mask
+    adv = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        running = deltas[:, t] + gamma * lam * running * mask[:, t]
+        adv[:, t] = running
+    return adv * mask, (adv + values) * mask
+
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-6):
+    """GRPO (Shao et al. 2024, §4.1.2): A = (R - mean of its group) / (std of its group + eps),
+    one scalar per response, the group being the samples of one prompt. rewards, group: [N]."""
+    adv = torch.empty_like(rewards)
+    for g in group.unique():
+        r = rewards[group == g]
+        adv[group == g] = (r - r.mean()) / (r.std(unbiased=False) + eps)
+    return adv
+
+
+def explained_variance(values, returns, mask) -> float:
+    """1 - Var(returns - values) / Var(returns) over the masked entries (CleanRL's diagnostic)."""
+    var = lambda x: masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+    return (1 - var(returns - values) / var(returns).clamp(min=1e-8)).item()
 
 
 def k3_kl(logp, ref_logp):

@@ -27,6 +27,8 @@ class Episode:
     advantages: torch.Tensor | None = None                 # [T] one per response token
     old_logp: torch.Tensor | None = None                   # [T] log-probs under the sampling policy
     ref_logp: torch.Tensor | None = None                   # [T] log-probs under the reference
+    old_values: torch.Tensor | None = None                 # [T] critic's V(s_t) before each token
+    returns: torch.Tensor | None = None                    # [T] critic's regression targets
 
 
 def pad_right(seqs: list[list[int]], pad_id: int, device=None):
@@ -45,7 +47,8 @@ def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = Fals
     temperature, because the policy that sampled was softmax(logits / T) (reference §2.3).
     With keep_cache, also returns the KV cache of this pass, for forking."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
-    logits = out.logits[:, :-1].float() / temperature                      # [B, L-1, V]
+    logits = out.logits[:, :-1]                                              # [B, L-1, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # bf16 -> fp32
     logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, L-1]
     return logp, (out.cache if keep_cache else None)
 
@@ -99,7 +102,8 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
         for i, j in enumerate(chunk):
             ids[i * k:(i + 1) * k, width - len(prefixes[j]):] = torch.tensor(prefixes[j], device=device)
         mask = (torch.arange(width, device=device)[None, :] >= width - ends[:, None]).long()
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+        # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
         out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=budgets[chunk[0]],
                              eos_token_id=eos_id, pad_token_id=pad_id, **sampling)
         new = out[:, width:].tolist()

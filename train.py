@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 import ppo
 import rollout
+import value
 import vine
 from reward import PROMPT, DataError, gsm8k_reward, load_problems, sft_target
 
@@ -40,12 +41,20 @@ class Config:
     data: str = arg("arith", "'arith' (built-in task), 'gsm8k' (hub), or a .jsonl file with question/answer")
     eval_data: str = arg("", "held-out problems; default: the test split of --data (the same file for .jsonl)")
     out: str = arg("out", "output directory: metrics.jsonl, samples.jsonl, checkpoint/")
+    algo: str = arg("vineppo", "vineppo (MC values) | ppo (critic + GAE) | tppo (tracking critic + GAE) | grpo")
     seed: int = arg(0, "random seed")
     iterations: int = arg(650, "RL iterations (sample, estimate, update)")
     prompts_per_iter: int = arg(64, "problems sampled per iteration")
     samples_per_prompt: int = arg(8, "responses sampled per problem")
     mc_rollouts: int = arg(9, "K: continuations per state for the MC value")
     max_value_states: int = arg(25, "states past this step index take the realised return (reference cap)")
+    value_head: str = arg("", "critic head for ppo/tppo: scalar | tracking | bce (default: scalar for ppo, tracking for tppo)")
+    critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)")
+    critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves")
+    gamma: float = arg(1.0, "GAE discount")
+    lam: float = arg(1.0, "GAE lambda of the policy's advantages")
+    lam_critic: float = arg(1.0, "GAE lambda of the critic's targets")
+    value_clip: float = arg(0.2, "clip range of the scalar critic around its old values")
     epochs: int = arg(2, "PPO epochs over each iteration's episodes")
     minibatch: int = arg(64, "episodes per optimizer step")
     micro_batch: int = arg(16, "episodes per forward/backward pass (gradient accumulation)")
@@ -75,6 +84,7 @@ DEMO = dict(iterations=16, prompts_per_iter=32, samples_per_prompt=4, mc_rollout
             eval_problems=200, eval_samples=2, save_every=4, sft_steps=400, sft_lr=3e-3,
             max_batch_tokens=32768)
 ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}
+ALGOS = ("vineppo", "ppo", "tppo", "grpo")
 
 
 def parse_args(argv=None) -> Config:
@@ -84,7 +94,13 @@ def parse_args(argv=None) -> Config:
                        help=f"{f.metadata['help']} (default: {f.default})")
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     preset = DEMO if given.get("model", Config.model) == "tiny" else {}
-    return Config(**{**preset, **given})
+    cfg = Config(**{**preset, **given})
+    if cfg.algo not in ALGOS:
+        p.error(f"--algo {cfg.algo!r}: expected one of {', '.join(ALGOS)}")
+    cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
+    if cfg.algo in ("ppo", "tppo") and cfg.value_head not in value.HEADS:
+        p.error(f"--value-head {cfg.value_head!r}: expected one of {', '.join(value.HEADS)}")
+    return cfg
 
 
 # ---- models -------------------------------------------------------------------------------
@@ -150,14 +166,27 @@ def per_response(logp, episodes):
 
 
 def collate(episodes, pad_id, device):
-    """Right-padded ids [B, L], attention mask, and [B, L-1] action-aligned tensors: action mask,
-    old log-probs, reference log-probs, advantages."""
+    """Right-padded ids [B, L], attention mask, and [B, L-1] action-aligned tensors: action mask
+    "act" and the episodes' per-token arrays (old/ref log-probs, advantages, critic values, returns)."""
     ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id, device)
-    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ("act", "old", "ref", "adv")}
+    fields = {"old": "old_logp", "ref": "ref_logp", "adv": "advantages", "val": "old_values", "ret": "returns"}
+    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ["act", *fields]}
     for i, ep in enumerate(episodes):
         s = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
-        out["act"][i, s], out["old"][i, s], out["ref"][i, s], out["adv"][i, s] = 1, ep.old_logp, ep.ref_logp, ep.advantages
+        out["act"][i, s] = 1
+        for k, name in fields.items():
+            if getattr(ep, name) is not None:
+                out[k][i, s] = getattr(ep, name).to(device)
+    out["reward"] = torch.tensor([ep.reward for ep in episodes], device=device)
+    out["prompt_lens"] = torch.tensor([len(ep.prompt_ids) for ep in episodes], device=device)
     return ids, mask, out
+
+
+def padded(rows: list[torch.Tensor]):
+    """[N, T] right-padded stack of 1-D tensors and its mask."""
+    mask = [torch.ones(len(r)) for r in rows]
+    pad = torch.nn.utils.rnn.pad_sequence
+    return pad(rows, batch_first=True), pad(mask, batch_first=True)
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
@@ -167,12 +196,16 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
-def save_checkpoint(out: str, policy, tok, state: dict):
-    """Write OUT/checkpoint atomically: build it in a temporary directory, then swap it in."""
+def save_checkpoint(out: str, policy, tok, state: dict, critic=None):
+    """Write OUT/checkpoint atomically: build it in a temporary directory, then swap it in.
+    The critic, when there is one, goes to checkpoint/critic (backbone + value_head.pt)."""
     final, tmp, old = (os.path.join(out, n) for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    if critic is not None:
+        critic.backbone.save_pretrained(os.path.join(tmp, "critic"))
+        torch.save({"head": critic.head_type, "state": critic.head.state_dict()}, os.path.join(tmp, "critic", "value_head.pt"))
     torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(final):
         os.replace(final, old)
@@ -253,11 +286,16 @@ def main(cfg: Config):
     ref = copy.deepcopy(policy).eval().requires_grad_(False)  # frozen reference = the starting policy
     if on_gpu:
         ref.to(torch.bfloat16)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    # the critic (PPO / TPPO): a copy of the starting policy's backbone with a value head
+    critic = value.Critic(copy.deepcopy(policy.base_model), cfg.value_head).to(device) if cfg.algo in ("ppo", "tppo") else None
     steps_per_iter = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
     total = cfg.iterations * steps_per_iter
     warmup = int(cfg.warmup * total)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, warmup))
+    steppers = []  # (model, optimizer, schedule): AdamW state and one LR schedule kept across iterations
+    for model, lr in [(policy, cfg.lr)] + ([(critic, cfg.critic_lr)] if critic is not None else []):
+        optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        steppers.append((model, optim, torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(s, total, warmup))))
+    sched = steppers[0][2]
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
     open(metrics_path, "w").close()
 
@@ -267,9 +305,11 @@ def main(cfg: Config):
         tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
     log({"iteration": 0, "eval_accuracy": evaluate(0)})
+    if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
+        save_checkpoint(cfg.out, policy, tok, {"iteration": 0, "config": dataclasses.asdict(cfg)})
     for it in range(1, cfg.iterations + 1):
         t0 = time.time()
-        times = {}
+        times, diagnostics = {}, {}
         # 1-3. sample prompts (reference: shuffle with seed + iteration), responses, rewards
         problems = random.Random(cfg.seed + it).sample(train_set, min(cfg.prompts_per_iter, len(train_set)))
         episodes = sample_episodes(problems, cfg.samples_per_prompt, cfg.temperature)
@@ -277,23 +317,44 @@ def main(cfg: Config):
             ep.step_starts = vine.step_starts([pieces[i] for i in ep.response_ids])
         times["time_rollout"] = time.time() - t0
 
-        # 4. old log-probs; for VinePPO, MC values from forks of the same forward pass's KV cache
+        # 4. old log-probs, and the values each method needs: VinePPO's MC values from forks of the
+        #    same forward pass's KV cache, or the critic's V(s_t) for PPO/TPPO (GRPO needs none)
         t = time.time()
         n_states, mc_tokens = 0, 0
         for chunk in tqdm(list(group_chunks(episodes, cfg.max_batch_tokens)), desc=f"values {it}", leave=False):
             ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad, device)
             with torch.no_grad(), autocast:
-                logp, cache = rollout.token_logprobs(policy, ids, mask, cfg.temperature, keep_cache=True)
-                s, n = vine.mc_values(policy, chunk, cache, list(range(len(chunk))), cfg.mc_rollouts, grade,
-                                      max_new_tokens=cfg.max_new_tokens, max_states=cfg.max_value_states, **gen)
-            n_states, mc_tokens = n_states + s, mc_tokens + n
+                logp, cache = rollout.token_logprobs(policy, ids, mask, cfg.temperature, keep_cache=cfg.algo == "vineppo")
+                if cfg.algo == "vineppo":
+                    s, n = vine.mc_values(policy, chunk, cache, list(range(len(chunk))), cfg.mc_rollouts, grade,
+                                          max_new_tokens=cfg.max_new_tokens, max_states=cfg.max_value_states, **gen)
+                    n_states, mc_tokens = n_states + s, mc_tokens + n
+                if critic is not None:
+                    prompt_lens = torch.tensor([len(ep.prompt_ids) for ep in chunk], device=device)
+                    for ep, v in zip(chunk, per_response(critic.values(ids, mask, prompt_lens), chunk)):
+                        ep.old_values = v
             for ep, lp in zip(chunk, per_response(logp, chunk)):
                 ep.old_logp = lp
             del cache
-        # 5. step advantages, broadcast to tokens (VinePPO §4)
-        for ep in episodes:
-            adv = vine.step_advantages(ep.values, ep.reward)
-            ep.advantages = torch.tensor(vine.token_advantages(ep.step_starts, adv, len(ep.response_ids)))
+        # 5. advantages
+        rewards = torch.tensor([ep.reward for ep in episodes])
+        if cfg.algo == "vineppo":  # step advantages broadcast to tokens (VinePPO §4)
+            for ep in episodes:
+                adv = vine.step_advantages(ep.values, ep.reward)
+                ep.advantages = torch.tensor(vine.token_advantages(ep.step_starts, adv, len(ep.response_ids)))
+        elif cfg.algo == "grpo":  # one group-normalised outcome advantage per response
+            adv = ppo.group_advantages(rewards, torch.tensor([ep.group for ep in episodes]))
+            for ep, a in zip(episodes, adv):
+                ep.advantages = torch.full((len(ep.response_ids),), a.item())
+        else:  # PPO / TPPO: GAE on the critic's values, the reward on the last token
+            values, mask = padded([ep.old_values for ep in episodes])
+            last = mask.sum(1).long() - 1
+            token_rewards = torch.zeros_like(values).index_put_((torch.arange(len(episodes)), last), rewards)
+            adv, _ = ppo.gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
+            _, returns = ppo.gae(token_rewards, values, mask, cfg.gamma, cfg.lam_critic)
+            for i, ep in enumerate(episodes):
+                ep.advantages, ep.returns = adv[i, : len(ep.response_ids)], returns[i, : len(ep.response_ids)]
+            diagnostics["explained_variance"] = ppo.explained_variance(values, returns, mask)
         times["time_values"] = time.time() - t
 
         # 6. reference log-probs, once per iteration
@@ -306,45 +367,62 @@ def main(cfg: Config):
                 ep.ref_logp = lp
         times["time_logprobs"] = time.time() - t
 
-        # 7. PPO epochs over shuffled minibatches; advantages whitened per minibatch (reference §2.6)
+        # 7. PPO epochs over shuffled minibatches; advantages whitened per minibatch (reference §2.6).
+        #    The critic takes its own step on the same minibatch; during warm-up only the critic learns.
         t = time.time()
-        stats, grad_norms = [], []
+        stats, critic_stats, grad_norms = [], [], []
         policy.train()
+        move_policy = it > cfg.critic_warmup
         for epoch in range(cfg.epochs):
             order = torch.randperm(len(episodes)).tolist()
             for lo in tqdm(range(0, len(order), cfg.minibatch), desc=f"update {it}.{epoch}", leave=False):
                 batch = [episodes[i] for i in order[lo: lo + cfg.minibatch]]
                 ids, mask, b = collate(batch, pad, device)
                 adv = ppo.masked_whiten(b["adv"], b["act"])
-                opt.zero_grad()
                 for m in range(0, len(batch), cfg.micro_batch):
-                    s = slice(m, m + cfg.micro_batch)
-                    with autocast:
-                        logp, _ = rollout.token_logprobs(policy, ids[s], mask[s], cfg.temperature)
-                    loss, st = ppo.ppo_loss(logp, b["old"][s], b["ref"][s], adv[s], b["act"][s], cfg.clip, cfg.kl_coef)
-                    (loss * ids[s].shape[0] / len(batch)).backward()
-                    stats.append(st)
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item())
-                opt.step()
-                sched.step()
+                    s, share = slice(m, m + cfg.micro_batch), ids[m: m + cfg.micro_batch].shape[0] / len(batch)
+                    if move_policy:
+                        with autocast:
+                            logp, _ = rollout.token_logprobs(policy, ids[s], mask[s], cfg.temperature)
+                        loss, st = ppo.ppo_loss(logp, b["old"][s], b["ref"][s], adv[s], b["act"][s], cfg.clip, cfg.kl_coef)
+                        (loss * share).backward()
+                        stats.append(st)
+                    if critic is not None:
+                        with autocast:
+                            out = critic(ids[s], mask[s], b["prompt_lens"][s])
+                        loss, st = value.critic_loss(critic, out, b["val"][s], b["ret"][s], b["reward"][s], b["act"][s], cfg.value_clip)
+                        (loss * share).backward()
+                        critic_stats.append(st)
+                for model, optim, scheduler in steppers:
+                    if model is policy and not move_policy:
+                        continue
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+                    if model is policy:
+                        grad_norms.append(norm)
+                    optim.step()
+                    scheduler.step()
+                    optim.zero_grad()
         times["time_update"] = time.time() - t
 
         # 8. log, evaluate, checkpoint
         row = {"iteration": it, "train_reward": sum(ep.reward for ep in episodes) / len(episodes)}
         if it % cfg.eval_every == 0 or it == cfg.iterations:
             row["eval_accuracy"] = evaluate(it)
-        row.update({k: sum(s[k] for s in stats) / len(stats) for k in ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio")})
+        mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)
+        row.update({k: mean(stats, k) for k in ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio") if stats})
+        row.update({k: mean(critic_stats, k) for k in ("value_loss", "value_clipfrac") if critic_stats})
         row["skipped_batches"] = int(sum(s["skipped"] for s in stats))
-        row["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        row["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
         row["response_tokens"] = sum(len(ep.response_ids) for ep in episodes) / len(episodes)
         row["mc_states"] = n_states
         row["tokens_generated"] = sum(len(ep.response_ids) for ep in episodes) + mc_tokens
         row["lr"] = sched.get_last_lr()[0]
+        row.update(diagnostics)
         row.update(times)
         row["seconds"] = time.time() - t0
         log(row)
         if it % cfg.save_every == 0 or it == cfg.iterations:
-            save_checkpoint(cfg.out, policy, tok, {"iteration": it, "config": dataclasses.asdict(cfg)})
+            save_checkpoint(cfg.out, policy, tok, {"iteration": it, "config": dataclasses.asdict(cfg)}, critic)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,375 @@
+"""Tests: the math against hand-computed or exactly enumerable cases, and smoke runs of train.py."""
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import ppo
+import rollout
+import train
+import value
+import vine
+from reward import DataError, arith_dataset, extract_answer, gsm8k_reward, read_jsonl, sft_target
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---- grading ------------------------------------------------------------------------------
+
+def test_gsm8k_grader_reference_rules():
+    assert extract_answer("a\n#### 72") == "72"
+    assert extract_answer("#### 1\n#### 2 ") == "2"            # the last '####' wins
+    assert extract_answer("no answer here") is None
+    assert gsm8k_reward("\nx\n#### 1,000\n", "1000") == 1.0     # commas removed from the prediction
+    assert gsm8k_reward("#### 72", "Natalia...\n#### 72") == 1.0  # full GSM8K answer field as gold
+    assert gsm8k_reward("#### 72.0", "72") == 0.0               # no float parsing
+    assert gsm8k_reward("#### $72", "72") == 0.0
+    assert gsm8k_reward("the answer is 72", "72") == 0.0        # missing answer
+    assert gsm8k_reward("#### 7\n#### 72", "72") == 1.0
+
+
+def test_arith_task_is_consistent_and_multistep():
+    for p in arith_dataset(200, seed=3):
+        lines = p["answer"].split("\n")
+        assert 2 <= len(lines) - 1 <= 5 and lines[-1].startswith("#### ")
+        total = None
+        for line in lines[:-1]:  # every step recomputes the running total
+            lhs, rhs = line.split("=")
+            a, op, b = (lhs.partition("+") if "+" in lhs else lhs.partition("-"))
+            assert total is None or int(a) == total
+            total = int(a) + int(b) if op == "+" else int(a) - int(b)
+            assert total == int(rhs) and total >= 0
+        assert gsm8k_reward(sft_target(p["answer"]), p["answer"]) == 1.0
+
+
+# ---- steps and advantages -----------------------------------------------------------------
+
+def split(text, tokens=None):
+    tokens = tokens or list(text)  # character-level tokens by default
+    starts = vine.step_starts(tokens)
+    return ["".join(tokens[a:b]) for a, b in zip(starts, starts[1:] + [len(tokens)])]
+
+
+def test_step_split_reference_examples():
+    assert split("\nA.\nB.\n#### 72\n") == ["\nA.", "\nB.\n#### 72\n"]
+    assert split("\nA = 3.\nB = 4.\n\nC = 7\n#### 1,000") == ["\nA = 3.", "\nB = 4.", "\n", "\nC = 7\n#### 1,000"]
+    assert split("\n\nA\nB\n") == ["\n\nA", "\nB", "\n"]        # no answer: every line, leading empties merged
+    assert split("A\n\n#### 5") == ["A\n\n#### 5"]
+
+
+def test_step_split_multichar_tokens_follow_first_character():
+    # '.\n' carries the newline that opens step 2, so step 2 starts at the next token
+    assert split(None, ["A", ".\n", "B", "\n", "C", "\n#", "### 5", "</s>"[:0]]) == ["A.\n", "B", "\nC\n#### 5"]
+
+
+def test_step_advantages_hand_computed():
+    # V(s0)=.5, V(s1)=.25, V(s2)=1, reward 1: A = [.25-.5, 1-.25, 1-1]
+    assert vine.step_advantages([0.5, 0.25, 1.0], 1.0) == pytest.approx([-0.25, 0.75, 0.0])
+    # states past the cap take the realised return: zero advantage there, R - V at the cap
+    assert vine.step_advantages([0.5, 0.7, None, None], 1.0) == pytest.approx([0.2, 0.3, 0.0, 0.0])
+    assert vine.step_advantages([0.5], 0.0) == pytest.approx([-0.5])
+    assert vine.token_advantages([0, 2, 3], [1.0, 2.0, 3.0], 5) == [1.0, 1.0, 2.0, 3.0, 3.0]
+
+
+def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
+    calls = []
+
+    def fake_sample(model, prefixes, k, budgets, **kw):
+        calls.append((prefixes, budgets))
+        # continuation j of a prefix is [j]; its reward (below) is 1 iff j < len(prefix) % 4
+        return [[[j] for j in range(k)] for _ in prefixes], [[True] * k for _ in prefixes]
+
+    monkeypatch.setattr(rollout, "sample", fake_sample)
+    eps = [rollout.Episode([1, 5], [7, 8, 9, 2], "", 0, True, step_starts=[0, 1, 3]),
+           rollout.Episode([1, 5], [7, 8, 6, 2], "", 0, True, step_starts=[0, 2]),
+           rollout.Episode([1, 6], [7, 2], "", 1, True, step_starts=[0])]
+    grade = lambda ids, ep: float(ids[-1] < (len(ep.prompt_ids) + len(ids) - 1) % 4)
+    n_states, _ = vine.mc_values(None, eps, cache=None, rows=[0, 1, 2], k=4, grade=grade,
+                                 max_new_tokens=10, max_states=25)
+    assert n_states == 5   # 6 states, [1,5] shared by the two samples of prompt 0
+    assert len(calls) == 1 and sorted(calls[0][1]) == [7, 8, 9, 10, 10]  # budget = 10 - boundary
+    # prefix length L -> continuation rewards [j < L % 4 for j < 4] -> value (L % 4) / 4
+    assert eps[0].values == [2 / 4, 3 / 4, 1 / 4]
+    assert eps[1].values == [2 / 4, 0 / 4]
+    assert eps[2].values == [2 / 4]
+
+
+def test_mc_values_cap_leaves_none():
+    ep = rollout.Episode([1], [4, 4, 4, 2], "", 0, True, step_starts=[0, 1, 2, 3])
+    orig = rollout.sample
+    rollout.sample = lambda m, prefixes, k, b, **kw: ([[[2]] * k for _ in prefixes], [[True] * k for _ in prefixes])
+    try:
+        vine.mc_values(None, [ep], None, [0], 2, lambda ids, e: 1.0, max_new_tokens=8, max_states=1)
+    finally:
+        rollout.sample = orig
+    assert ep.values == [1.0, 1.0, None, None]
+
+
+# ---- rollouts and forking -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+                         max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(config).eval().double()  # float64: greedy ties cannot flip
+
+
+def random_seqs(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 40, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_forked_greedy_equals_reencoded_greedy(model):
+    seqs = random_seqs([30, 17, 25])
+    ids, mask = rollout.pad_right(seqs, 0)
+    _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+    prefixes = [seqs[0][:12], seqs[0][:30], seqs[1][:5], seqs[2][:25], seqs[1][:17]]
+    rows = [0, 0, 1, 2, 1]
+    kw = dict(temperature=0.0, top_p=1.0, eos_id=2, pad_id=0)
+    forked, _ = rollout.sample(model, prefixes, 3, [12] * 5, cache=cache, rows=rows, **kw)
+    for prefix, forks in zip(prefixes, forked):
+        alone, _ = rollout.sample(model, [prefix], 1, [12], **kw)  # re-encoded, unbatched
+        assert len(set(map(tuple, forks))) == 1 and forks[0] == alone[0][0]
+        assert len(set(forks[0])) > 1  # a non-trivial continuation
+
+
+def test_forked_logprobs_equal_full_forward(model):
+    seqs = random_seqs([20, 9, 14], seed=2)
+    ids, mask = rollout.pad_right(seqs, 0)
+    full, cache = rollout.token_logprobs(model, ids, mask, 0.6, keep_cache=True)
+    rows, ends = torch.tensor([0, 2, 1, 0]), torch.tensor([7, 14, 9, 20])
+    width = int(ends.max())
+    forked = rollout.fork_cache(cache, rows, ends, width)
+    # continue all four prefixes with their true next token (or any token at the end) in one call
+    last = torch.tensor([seqs[r][e - 1] for r, e in zip(rows.tolist(), ends.tolist())])[:, None]
+    attn = (torch.arange(width)[None, :] >= width - ends[:, None]).long()
+    out = model(input_ids=last, attention_mask=attn, cache=forked, position_ids=(ends - 1)[:, None])
+    logp = (out.logits[:, -1] / 0.6).log_softmax(-1)
+    for i, (r, e) in enumerate(zip(rows.tolist(), ends.tolist())):
+        if e < len(seqs[r]):
+            assert logp[i, seqs[r][e]].item() == pytest.approx(full[r, e - 1].item(), abs=1e-9)
+
+
+def test_token_logprobs_temperature_and_alignment(model):
+    ids = torch.tensor([[1, 5, 7, 9]])
+    logp, _ = rollout.token_logprobs(model, ids, torch.ones_like(ids), 0.5)
+    logits = model(input_ids=ids).logits[0]
+    for t in range(3):
+        expected = torch.log_softmax(logits[t] / 0.5, -1)[ids[0, t + 1]]
+        assert logp[0, t].item() == pytest.approx(expected.item(), abs=1e-9)
+
+
+def test_sample_budget_and_finish_flags(model):
+    conts, done = rollout.sample(model, random_seqs([6, 6]), 2, [3, 5], temperature=1.0, top_p=1.0, eos_id=2, pad_id=0)
+    for cs, fs, budget in zip(conts, done, [3, 5]):
+        for c, f in zip(cs, fs):
+            assert 1 <= len(c) <= budget and f == (c[-1] == 2) and 2 not in c[:-1]
+
+
+# ---- PPO ----------------------------------------------------------------------------------
+
+def test_ppo_loss_hand_example():
+    logp = torch.log(torch.tensor([[0.6, 0.3, 0.5]]))
+    old = torch.log(torch.tensor([[0.4, 0.6, 0.5]]))       # ratios 1.5, 0.5, 1.0
+    ref = torch.log(torch.tensor([[0.3, 0.3, 0.25]]))
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])                  # third token is padding
+    loss, st = ppo.ppo_loss(logp, old, ref, adv, mask, clip=0.2, kl_coef=0.1)
+    pg = (max(-1.5, -1.2) + max(0.5, 0.8)) / 2              # = (-1.2 + 0.8) / 2
+    k3 = [0.5 - math.log(0.5) - 1, 1 - 0 - 1]               # exp(d) - d - 1, d = log(ref / logp)
+    assert st["policy_loss"] == pytest.approx(pg)
+    assert loss.item() == pytest.approx(pg + 0.1 * sum(k3))
+    assert st["clipfrac"] == pytest.approx(1.0)
+    assert st["approx_kl"] == pytest.approx(((0.5 - math.log(1.5)) + (-0.5 - math.log(0.5))) / 2)
+
+
+def test_ppo_loss_skips_exploded_batch_and_kl_clamp():
+    logp, old = torch.zeros(1, 2), torch.full((1, 2), -5.0)  # ratio e^5 > 10
+    loss, st = ppo.ppo_loss(logp, old, old, torch.ones(1, 2), torch.ones(1, 2))
+    assert st["skipped"] == 1.0 and loss.item() == 0.0
+    kl_only, _ = ppo.ppo_loss(logp, logp, torch.full((1, 2), 30.0), torch.zeros(1, 2), torch.ones(1, 2), kl_coef=1.0)
+    assert kl_only.item() == pytest.approx(20.0)  # each token's k3 clamped to 10, summed
+
+
+def test_masked_whiten():
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = ppo.masked_whiten(x, mask)
+    assert w[0, :3].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)  # unbiased std of 1,2,3 is 1
+    assert w[0, 3].item() == 0.0
+
+
+def naive_gae(rewards, values, gamma, lam):
+    """The textbook per-step loop on one unpadded trajectory."""
+    adv, T = [0.0] * len(rewards), len(rewards)
+    for t in range(T):
+        for l in range(T - t):
+            v_next = values[t + l + 1] if t + l + 1 < T else 0.0
+            adv[t] += (gamma * lam) ** l * (rewards[t + l] + gamma * v_next - values[t + l])
+    return adv
+
+
+def test_gae_matches_naive_loop_and_closed_form():
+    g = torch.Generator().manual_seed(0)
+    values = torch.rand(3, 6, generator=g)
+    mask = torch.tensor([[1.0] * 6, [1.0] * 4 + [0.0] * 2, [1.0] * 2 + [0.0] * 4])
+    rewards = torch.zeros(3, 6)
+    for i, n in enumerate([6, 4, 2]):
+        rewards[i, n - 1] = float(i % 2 == 0)
+    rewards[0, 2] = 0.5  # an intermediate reward too
+    for gamma, lam in [(1.0, 1.0), (0.9, 0.95), (1.0, 0.0)]:
+        adv, ret = ppo.gae(rewards, values, mask, gamma, lam)
+        for i, n in enumerate([6, 4, 2]):
+            expected = naive_gae(rewards[i, :n].tolist(), values[i, :n].tolist(), gamma, lam)
+            assert adv[i, :n].tolist() == pytest.approx(expected, abs=1e-6)
+            assert adv[i, n:].abs().sum() == 0 and ret[i, :n].tolist() == pytest.approx((adv + values)[i, :n].tolist())
+    adv, ret = ppo.gae(rewards[1:], values[1:], mask[1:], 1.0, 1.0)  # sparse reward: A_t = R - V_t
+    assert adv[0, :4].tolist() == pytest.approx((0.0 - values[1, :4]).tolist())
+    assert adv[1, :2].tolist() == pytest.approx((1.0 - values[2, :2]).tolist()) and ret[1, :2].tolist() == [1.0, 1.0]
+
+
+def test_group_advantages_hand_example():
+    adv = ppo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), torch.tensor([0, 0, 0, 0, 1, 1]))
+    assert adv.tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0, 0.0, 0.0], abs=1e-5)  # std 0.5 in group 0
+
+
+def test_explained_variance():
+    mask = torch.ones(1, 4)
+    returns = torch.tensor([[0.0, 1.0, 0.0, 1.0]])
+    assert ppo.explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert ppo.explained_variance(torch.full((1, 4), 0.5), returns, mask) == pytest.approx(0.0)
+
+
+def test_tracking_logits_are_prior_plus_running_sum():
+    o = torch.tensor([[9.0, 0.5, 1.0, -2.0, 3.0], [0.25, 7.0, 1.0, 2.0, 0.0]])
+    z = value.tracking_logits(o, torch.tensor([2, 3]))  # b at position P-1, h from position P on
+    assert z[0].tolist() == [0.0, 0.5, 1.5, -0.5, 2.5]  # b = 0.5, then +1, -2, +3
+    assert z[1].tolist() == [0.0, 0.0, 1.0, 3.0, 3.0]
+
+
+@pytest.fixture(scope="module")
+def backbone(model):
+    return copy.deepcopy(model.base_model).float()
+
+
+def test_tracking_head_zero_init_and_bce_learns(backbone):
+    torch.manual_seed(0)
+    critic = value.Critic(copy.deepcopy(backbone), "tracking")
+    ids = torch.randint(3, 40, (8, 10))
+    mask, plens = torch.ones_like(ids), torch.full((8,), 4)
+    v = critic.values(ids, mask, plens)
+    assert torch.all(v[:, 3:] == 0.5)  # zero-initialised: V = sigmoid(b) = sigmoid(0) everywhere
+    # a learnable problem: the outcome is whether token 6 (a response token) is even
+    rewards = (ids[:, 6] % 2 == 0).float()
+    act = (torch.arange(9)[None, :] >= 3).float().expand(8, 9)
+    opt = torch.optim.Adam(critic.head.parameters(), lr=0.05)
+    losses = []
+    for _ in range(60):
+        loss, _ = value.critic_loss(critic, critic(ids, mask, plens), None, None, rewards, act)
+        opt.zero_grad(), loss.backward(), opt.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6) and losses[-1] < 0.8 * losses[0]
+
+
+def test_scalar_value_clipping_hand_example(backbone):
+    critic = value.Critic(copy.deepcopy(backbone), "scalar")
+    out, old = torch.tensor([[0.9, 0.1]]), torch.tensor([[0.5, 0.2]])
+    returns, mask = torch.tensor([[1.0, 0.0]]), torch.ones(1, 2)
+    loss, st = value.critic_loss(critic, out, old, returns, None, mask, clip=0.2)
+    # token 0: clipped to 0.7 -> max(0.01, 0.09) = 0.09; token 1: within the clip -> 0.01
+    assert loss.item() == pytest.approx(0.5 * (0.09 + 0.01) / 2) and st["value_clipfrac"] == 0.5
+
+
+def test_lr_schedule():
+    assert train.lr_factor(0, 100, 10) == 0.0
+    assert train.lr_factor(9, 100, 10) == pytest.approx(1.0)
+    assert train.lr_factor(55, 100, 10) == pytest.approx(0.5)
+    assert train.lr_factor(100, 100, 10) == 0.0
+
+
+# ---- data errors and end-to-end runs ------------------------------------------------------
+
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "a\\n#### 1"}\n{"question": "q"\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        read_jsonl(str(bad))
+    bad.write_text('{"question": "q", "answer": "no final number"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1: 'answer' has no final"):
+        read_jsonl(str(bad))
+    bad.write_text('{"answer": "#### 3"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1: missing .* 'question'"):
+        read_jsonl(str(bad))
+
+
+def run_train(*args, cwd=HERE):
+    return subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+SMALL = ["--iterations", "2", "--prompts-per-iter", "4", "--samples-per-prompt", "2", "--mc-rollouts", "2",
+         "--minibatch", "4", "--micro-batch", "2", "--max-new-tokens", "24", "--eval-problems", "4",
+         "--eval-samples", "1", "--eval-every", "1", "--save-every", "1", "--sft-steps", "3", "--sft-batch", "4"]
+
+
+def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
+    r = run_train("--out", str(tmp_path), *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [row["iteration"] for row in rows] == [0, 1, 2]
+    for key in ("train_reward", "eval_accuracy", "kl", "policy_loss", "clipfrac", "approx_kl",
+                "tokens_generated", "seconds", "time_rollout", "time_values", "time_update"):
+        assert key in rows[-1]
+    assert rows[1]["mc_states"] > 0 and (tmp_path / "samples.jsonl").exists()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "checkpoint")
+    assert model.config.vocab_size == len(tok) and not (tmp_path / "checkpoint.tmp").exists()
+
+
+@pytest.mark.parametrize("algo", ["ppo", "tppo", "grpo"])
+def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
+    r = run_train("--algo", algo, "--out", str(tmp_path), *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [row["iteration"] for row in rows] == [0, 1, 2] and "policy_loss" in rows[-1]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
+    if algo != "grpo":
+        assert "value_loss" in rows[-1] and "explained_variance" in rows[-1]
+        head = torch.load(tmp_path / "checkpoint" / "critic" / "value_head.pt")
+        assert head["head"] == {"ppo": "scalar", "tppo": "tracking"}[algo]
+        from transformers import AutoModel
+        critic = value.Critic(AutoModel.from_pretrained(tmp_path / "checkpoint" / "critic"), head["head"])
+        critic.head.load_state_dict(head["state"])
+
+
+def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):
+    """The paper's code path (a from_pretrained model, GSM8K-format data, paper defaults) on a tiny model."""
+    train.build_tiny_model(str(tmp_path / "model"), seed=0)
+    data = tmp_path / "gsm8k_fixture.jsonl"
+    problems = [{"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
+                 "answer": "She sold 48/2 = <<48/2=24>>24 in May.\nIn all 48+24 = <<48+24=72>>72.\n#### 72"},
+                {"question": "Weng earns $12 an hour. She worked 2 hours. How much did she earn?",
+                 "answer": "She earned 12*2 = <<12*2=24>>24.\n#### 24"}] * 3
+    data.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    r = run_train("--model", str(tmp_path / "model"), "--data", str(data), "--out", str(tmp_path / "out"), *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(open(tmp_path / "out" / "metrics.jsonl").readlines()) == 3
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "nope"], "--data 'nope': expected 'arith', 'gsm8k' or a path ending in .jsonl"),
+    (["--data", "missing.jsonl"], "missing.jsonl: cannot read"),
+    (["--model", "no/such-model-here"], "--model 'no/such-model-here': cannot load it"),
+])
+def test_bad_input_gives_one_line_error(tmp_path, args, message):
+    r = run_train("--out", str(tmp_path), *args, *SMALL)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
