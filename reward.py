@@ -46,25 +46,30 @@ def sft_target(answer: str) -> str:
 
 # ---- the built-in task: chains of additions and subtractions ----------------------------------
 
-def arith_problem(rng: random.Random, min_steps: int, max_steps: int, max_operand: int = 9) -> dict:
+def arith_problem(rng: random.Random, min_steps: int, max_steps: int, slip: float = 0.0) -> dict:
     """'What is 7+3-5?' -> '7+3=10\n10-5=5\n#### 5': one line per operation, so an early slip
-    makes the answer wrong. The running total stays >= 0; more steps make it harder."""
-    total = rng.randint(1, max_operand)
-    question, lines = str(total), []
+    makes the answer wrong. The running total stays >= 0; more steps make it harder.
+    'demonstration' is the worked solution used for SFT: with probability `slip` a line's result
+    is off by one and the chain goes on from there, like a careless human demonstrator. Grading
+    always uses the correct 'answer', so RL has careless steps to find and remove."""
+    start = total = sloppy = rng.randint(1, 9)
+    question, lines, demo = str(total), [], []
     for _ in range(rng.randint(min_steps, max_steps)):
-        x = rng.randint(1, max_operand)
-        sign = rng.choice("+-") if total >= x else "+"
-        new = total + x if sign == "+" else total - x
+        x = rng.randint(1, 9)
+        sign = rng.choice("+-") if min(total, sloppy) >= x else "+"
+        step = (lambda a: a + x) if sign == "+" else (lambda a: a - x)
         question += f"{sign}{x}"
-        lines.append(f"{total}{sign}{x}={new}")
-        total = new
-    return {"question": f"What is {question}?", "answer": "\n".join(lines) + f"\n#### {total}"}
+        lines.append(f"{total}{sign}{x}={step(total)}")
+        result = step(sloppy) + (rng.choice([-1, 1]) if rng.random() < slip and step(sloppy) > 0 else 0)
+        demo.append(f"{sloppy}{sign}{x}={result}")
+        total, sloppy = step(total), result
+    return {"question": f"What is {question}?", "answer": "\n".join(lines) + f"\n#### {total}",
+            "demonstration": "\n".join(demo) + f"\n#### {sloppy}"}
 
 
-def arith_dataset(n: int, seed: int, min_steps: int = 2, max_steps: int = 5) -> list[dict]:
+def arith_dataset(n: int, seed: int, min_steps: int = 2, max_steps: int = 5, slip: float = 0.0) -> list[dict]:
     rng = random.Random(seed)
-    return [arith_problem(rng, min_steps, max_steps) for _ in range(n)]
-
+    return [arith_problem(rng, min_steps, max_steps, slip) for _ in range(n)]
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -76,7 +81,7 @@ def check_problem(row, where: str) -> dict:
     for field in ("question", "answer"):
         if not isinstance(row.get(field), str) or not row[field].strip():
             raise DataError(f"{where}: missing or empty string field '{field}'")
-    if not extract_answer(row["answer"]):
+    if not re.fullmatch(r"-?[0-9][0-9,]*(\.[0-9]+)?", extract_answer(row["answer"]) or ""):
         raise DataError(f"{where}: 'answer' has no final '#### <number>' line")
     return {"question": row["question"], "answer": row["answer"]}
 
@@ -102,11 +107,11 @@ def read_jsonl(path: str) -> list[dict]:
     return problems
 
 
-def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0) -> list[dict]:
+def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, slip: float = 0.0) -> list[dict]:
     """'arith' (train and test drawn with different seeds) | 'gsm8k' (hub dataset
     openai/gsm8k, config 'main') | a path to a .jsonl file (the split is ignored)."""
     if data == "arith":
-        return arith_dataset(n_arith, seed=seed + (0 if split == "train" else 10_000))
+        return arith_dataset(n_arith, seed=seed + (0 if split == "train" else 10_000), slip=slip)
     if data.endswith(".jsonl"):
         return read_jsonl(data)
     if data == "gsm8k":

@@ -5,11 +5,15 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+import checkpoint
 import ppo
 import rollout
 import train
@@ -288,6 +292,19 @@ def test_scalar_value_clipping_hand_example(backbone):
     assert loss.item() == pytest.approx(0.5 * (0.09 + 0.01) / 2) and st["value_clipfrac"] == 0.5
 
 
+def test_optimizer_step_skips_nonfinite_gradients():
+    model = torch.nn.Linear(2, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
+    (model(torch.tensor([[float("nan"), 1.0]])).sum()).backward()
+    assert train.optimizer_step(model, optim, sched) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    (model(torch.tensor([[3.0, 4.0]])).sum() * 10).backward()
+    assert train.optimizer_step(model, optim, sched, max_norm=1.0) == pytest.approx(10 * math.sqrt(26))
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_lr_schedule():
     assert train.lr_factor(0, 100, 10) == 0.0
     assert train.lr_factor(9, 100, 10) == pytest.approx(1.0)
@@ -310,8 +327,38 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
         read_jsonl(str(bad))
 
 
+ADVERSARIAL = ["", "####", "#### ", "#" * 10_000, "9" * 100_000 + "\n#### " + "9" * 100_000, "####" * 5000,
+               "#### \u0667\u0662", "#### \x00\x1b[31m72", "\ud800", "#### 7\u200b2", "#### ７２", "#### 72\r\n"]
+
+
+@given(st.text(), st.text())
+@settings(max_examples=300, deadline=None)
+def test_grader_never_raises_on_any_text(completion, gold):
+    assert gsm8k_reward(completion, gold) in (0.0, 1.0)
+    assert gsm8k_reward("#### " + completion, "#### 3") in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("text", ADVERSARIAL)
+def test_grader_never_raises_on_adversarial_text(text):
+    assert gsm8k_reward(text, "72") in (0.0, 1.0) and gsm8k_reward("#### 72", text) in (0.0, 1.0)
+    vine.step_starts(list(text[:5000]))  # the step splitter takes any text too
+
+
+def test_gold_answer_must_end_in_a_number(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "x\\n#### seventy"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1: 'answer' has no final '#### <number>'"):
+        read_jsonl(str(bad))
+    bad.write_text("\n\n")
+    with pytest.raises(DataError, match=r"bad.jsonl: no problems found"):
+        read_jsonl(str(bad))
+
+
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}  # no test needs a hub; an unknown id fails at once
+
+
 def run_train(*args, cwd=HERE):
-    return subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], cwd=cwd,
+    return subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], cwd=cwd, env=OFFLINE,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -352,7 +399,7 @@ def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
 
 def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):
     """The paper's code path (a from_pretrained model, GSM8K-format data, paper defaults) on a tiny model."""
-    train.build_tiny_model(str(tmp_path / "model"), seed=0)
+    checkpoint.build_tiny_model(str(tmp_path / "model"), seed=0)
     data = tmp_path / "gsm8k_fixture.jsonl"
     problems = [{"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
                  "answer": "She sold 48/2 = <<48/2=24>>24 in May.\nIn all 48+24 = <<48+24=72>>72.\n#### 72"},
@@ -365,11 +412,54 @@ def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint")
 
 
+TIMING = ("seconds", "time_rollout", "time_values", "time_logprobs", "time_update")
+
+
+def numbers(out):
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in open(out / "metrics.jsonl")]
+
+
+def test_killed_run_resumes_to_the_same_numbers(tmp_path):
+    """SIGKILL at an arbitrary moment after the first iteration, then --resume: the metrics
+    equal an uninterrupted run's, with no iteration repeated or skipped."""
+    args = [*SMALL, "--iterations", "3", "--save-every", "1"]
+    full = run_train("--out", str(tmp_path / "full"), *args)
+    assert full.returncode == 0, full.stderr[-3000:]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", str(out), *args],
+                            cwd=HERE, env=OFFLINE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and '"iteration": 1' in (out / "metrics.jsonl").read_text():
+            break
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    resumed = run_train("--out", str(out), *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert numbers(out) == numbers(tmp_path / "full")
+    assert [row["iteration"] for row in numbers(out)] == [0, 1, 2, 3]
+    wrong = run_train("--out", str(out), *args, "--resume", "--algo", "grpo")
+    assert wrong.returncode == 2 and "written with --algo 'vineppo', not 'grpo'" in wrong.stderr
+
+
+def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
+    (tmp_path / "checkpoint.old").mkdir()
+    (tmp_path / "checkpoint.old" / "trainer_state.pt").write_bytes(b"x")
+    (tmp_path / "checkpoint.tmp").mkdir()  # a half-written new checkpoint is never picked
+    assert checkpoint.last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint.old")
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "trainer_state.pt").write_bytes(b"x")
+    assert checkpoint.last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data", "nope"], "--data 'nope': expected 'arith', 'gsm8k' or a path ending in .jsonl"),
     (["--data", "missing.jsonl"], "missing.jsonl: cannot read"),
     (["--model", "no/such-model-here"], "--model 'no/such-model-here': cannot load it"),
+    (["--out", "/dev/null/out"], "--out '/dev/null/out': not writable"),
+    (["--algo", "a2c"], "--algo 'a2c': expected one of vineppo, ppo, tppo, grpo"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, args, message):
-    r = run_train("--out", str(tmp_path), *args, *SMALL)
+    r = run_train("--out", str(tmp_path), *SMALL, *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

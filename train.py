@@ -14,7 +14,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -27,6 +26,8 @@ import ppo
 import rollout
 import value
 import vine
+from checkpoint import (ALIASES, build_tiny_model, last_checkpoint, load_model, rng_state, save_checkpoint,
+                        set_rng_state, truncate_jsonl)
 from reward import PROMPT, DataError, gsm8k_reward, load_problems, sft_target
 
 
@@ -74,24 +75,27 @@ class Config:
     sft_steps: int = arg(0, "supervised warm-up steps on the gold solutions before RL")
     sft_lr: float = arg(1e-5, "SFT learning rate")
     sft_batch: int = arg(64, "SFT batch size")
+    arith_slip: float = arg(0.0, "arith only: chance that a step of an SFT demonstration is off by one")
     max_batch_tokens: int = arg(262144, "memory budget of one generation / forward batch, in tokens")
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'")
+    resume: bool = arg(False, "continue from the last complete checkpoint in --out")
+    trust_remote_code: bool = arg(False, "allow model code from the hub (off: only transformers' own architectures)")
 
 
-# The offline demo (--model tiny): a 0.9M-parameter model trained from scratch in minutes on a CPU.
-DEMO = dict(iterations=16, prompts_per_iter=32, samples_per_prompt=4, mc_rollouts=4, minibatch=32,
-            micro_batch=32, lr=2e-4, warmup=0.0, kl_coef=1e-3, max_new_tokens=64, eval_every=4,
-            eval_problems=200, eval_samples=2, save_every=4, sft_steps=400, sft_lr=3e-3,
-            max_batch_tokens=32768)
-ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}
+# The offline demo (--model tiny), in one place: a 0.9M-parameter model, SFT from scratch on
+# demonstrations with careless off-by-one slips, then VinePPO removes the slips. Sized for a 2-core CPU.
+DEMO = dict(iterations=24, prompts_per_iter=32, samples_per_prompt=8, mc_rollouts=4, minibatch=64,
+            micro_batch=64, lr=3e-5, warmup=0.0, kl_coef=1e-3, max_new_tokens=64, eval_every=4,
+            eval_problems=200, eval_samples=2, eval_temperature=0.6, save_every=8, sft_steps=500,
+            sft_lr=3e-3, arith_slip=0.25, max_batch_tokens=32768, critic_lr=1e-4)
 ALGOS = ("vineppo", "ppo", "tppo", "grpo")
 
 
 def parse_args(argv=None) -> Config:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
-        p.add_argument("--" + f.name.replace("_", "-"), type=f.type, default=None,
-                       help=f"{f.metadata['help']} (default: {f.default})")
+        kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
+        p.add_argument("--" + f.name.replace("_", "-"), default=None, help=f"{f.metadata['help']} (default: {f.default})", **kind)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     preset = DEMO if given.get("model", Config.model) == "tiny" else {}
     cfg = Config(**{**preset, **given})
@@ -101,39 +105,6 @@ def parse_args(argv=None) -> Config:
     if cfg.algo in ("ppo", "tppo") and cfg.value_head not in value.HEADS:
         p.error(f"--value-head {cfg.value_head!r}: expected one of {', '.join(value.HEADS)}")
     return cfg
-
-
-# ---- models -------------------------------------------------------------------------------
-
-def build_tiny_model(path: str, seed: int):
-    """A 4-layer, 128-wide Llama with random weights and a character-level tokenizer built in
-    code, saved with save_pretrained so that it loads through the same path as a hub model."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    chars = ["\n"] + [chr(c) for c in range(32, 127)]
-    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + chars)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per char
-    tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>", unk_token="<unk>")
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-
-
-def load_model(name: str, device, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    try:
-        tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
-    except (OSError, ValueError) as e:
-        raise DataError(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]}); expected 'tiny', "
-                        f"one of {sorted(ALIASES)}, a local directory or a reachable hub id") from None
-    return tok, model
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -196,21 +167,15 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
-def save_checkpoint(out: str, policy, tok, state: dict, critic=None):
-    """Write OUT/checkpoint atomically: build it in a temporary directory, then swap it in.
-    The critic, when there is one, goes to checkpoint/critic (backbone + value_head.pt)."""
-    final, tmp, old = (os.path.join(out, n) for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if critic is not None:
-        critic.backbone.save_pretrained(os.path.join(tmp, "critic"))
-        torch.save({"head": critic.head_type, "state": critic.head.state_dict()}, os.path.join(tmp, "critic", "value_head.pt"))
-    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-    if os.path.exists(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+def optimizer_step(model, optim, scheduler, max_norm: float = 1.0) -> float | None:
+    """Clip the gradient norm to max_norm and step. A non-finite gradient skips the step and
+    keeps the weights as they were; returns the norm, or None when skipped."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+    if math.isfinite(norm):
+        optim.step()
+        scheduler.step()
+    optim.zero_grad()
+    return norm if math.isfinite(norm) else None
 
 
 # ---- main ---------------------------------------------------------------------------------
@@ -221,17 +186,34 @@ def main(cfg: Config):
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     on_gpu = device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else nullcontext()  # fp32 master weights
-    os.makedirs(cfg.out, exist_ok=True)
+    try:
+        os.makedirs(cfg.out, exist_ok=True)
+        probe = os.path.join(cfg.out, ".writable")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise DataError(f"--out {cfg.out!r}: not writable ({e.strerror})") from None
+    metrics_path, samples_path = os.path.join(cfg.out, "metrics.jsonl"), os.path.join(cfg.out, "samples.jsonl")
 
-    train_set = load_problems(cfg.data, "train", seed=cfg.seed)
+    train_set = load_problems(cfg.data, "train", seed=cfg.seed, slip=cfg.arith_slip)
     eval_set = load_problems(cfg.eval_data or cfg.data, "test", seed=cfg.seed)
     if cfg.eval_problems:
         eval_set = eval_set[: cfg.eval_problems]
+    resume_from, state = last_checkpoint(cfg.out) if cfg.resume else None, None
+    if resume_from:
+        state = torch.load(os.path.join(resume_from, "trainer_state.pt"), weights_only=True)
+        for key in ("model", "data", "algo", "value_head"):
+            if state["config"][key] != getattr(cfg, key):
+                raise DataError(f"--resume: {resume_from} was written with --{key.replace('_', '-')} "
+                                f"{state['config'][key]!r}, not {getattr(cfg, key)!r}")
+    elif cfg.resume:
+        tqdm.write(f"--resume: no complete checkpoint in {cfg.out}, starting from scratch")
     name = ALIASES.get(cfg.model, cfg.model)
     if name == "tiny":
         name = os.path.join(cfg.out, "tiny-init")
-        build_tiny_model(name, cfg.seed)
-    tok, policy = load_model(name, device)
+        if not resume_from:
+            build_tiny_model(name, cfg.seed)
+    tok, policy = load_model(resume_from or name, device, cfg.trust_remote_code)
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)  # token id -> text
     gen = dict(temperature=cfg.temperature, top_p=cfg.top_p, eos_id=eos, pad_id=pad, max_batch_tokens=cfg.max_batch_tokens)
@@ -255,7 +237,7 @@ def main(cfg: Config):
 
     def evaluate(iteration: int) -> float:
         eps = sample_episodes(eval_set, cfg.eval_samples, cfg.eval_temperature)
-        with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
+        with open(samples_path, "a") as f:
             for ep in eps[: 3 * cfg.eval_samples: cfg.eval_samples]:
                 f.write(json.dumps({"iteration": iteration, "prompt": tok.decode(ep.prompt_ids, skip_special_tokens=True),
                                     "response": tok.decode(ep.response_ids, skip_special_tokens=True),
@@ -263,12 +245,13 @@ def main(cfg: Config):
         return sum(ep.reward for ep in eps) / len(eps)
 
     # ---- SFT warm start on the gold solutions (reference §3.3 format) ----
-    if cfg.sft_steps:
+    if cfg.sft_steps and not resume_from:
         sft_opt = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
         rng = random.Random(cfg.seed)
         for step in tqdm(range(cfg.sft_steps), desc="sft"):
             batch = rng.sample(train_set, min(cfg.sft_batch, len(train_set)))
-            targets = [tok(sft_target(p["answer"]), add_special_tokens=False).input_ids + [eos] for p in batch]
+            targets = [tok(sft_target(p.get("demonstration", p["answer"])), add_special_tokens=False).input_ids + [eos]
+                       for p in batch]
             ids, mask = rollout.pad_right([p["prompt_ids"] + t for p, t in zip(batch, targets)], pad, device)
             labels = ids.masked_fill(mask == 0, -100)
             for i, p in enumerate(batch):
@@ -282,12 +265,26 @@ def main(cfg: Config):
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             sft_opt.step()
         del sft_opt
+        save_checkpoint(cfg.out, policy, tok, name="reference")  # resumed runs reload it
 
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)  # frozen reference = the starting policy
+    # frozen reference = the starting policy; the critic (PPO / TPPO) = its backbone + a value head
+    if resume_from:
+        ref = load_model(os.path.join(cfg.out, "reference") if cfg.sft_steps else name, device, cfg.trust_remote_code)[1]
+    else:
+        ref = copy.deepcopy(policy)
+    ref.eval().requires_grad_(False)
     if on_gpu:
         ref.to(torch.bfloat16)
-    # the critic (PPO / TPPO): a copy of the starting policy's backbone with a value head
-    critic = value.Critic(copy.deepcopy(policy.base_model), cfg.value_head).to(device) if cfg.algo in ("ppo", "tppo") else None
+    critic = None
+    if cfg.algo in ("ppo", "tppo") and resume_from:
+        from transformers import AutoModel
+        head = torch.load(os.path.join(resume_from, "critic", "value_head.pt"), weights_only=True)
+        critic = value.Critic(AutoModel.from_pretrained(os.path.join(resume_from, "critic")), head["head"])
+        critic.head.load_state_dict(head["state"])
+    elif cfg.algo in ("ppo", "tppo"):
+        critic = value.Critic(copy.deepcopy(policy.base_model), cfg.value_head)
+    if critic is not None:
+        critic.to(device)
     steps_per_iter = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
     total = cfg.iterations * steps_per_iter
     warmup = int(cfg.warmup * total)
@@ -296,18 +293,34 @@ def main(cfg: Config):
         optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         steppers.append((model, optim, torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(s, total, warmup))))
     sched = steppers[0][2]
-    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-    open(metrics_path, "w").close()
+    start = 1
+    if state is not None:  # continue exactly where the checkpoint left off
+        for (_, optim, scheduler), saved in zip(steppers, state["optimizers"]):
+            optim.load_state_dict(saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
+        set_rng_state(state["rng"])
+        start = state["iteration"] + 1
+        truncate_jsonl(metrics_path, state["iteration"])
+        truncate_jsonl(samples_path, state["iteration"])
+    else:
+        for path in (metrics_path, samples_path):
+            open(path, "w").close()
+
+    def checkpoint(iteration: int):
+        optimizers = [{"optimizer": o.state_dict(), "scheduler": s.state_dict()} for _, o, s in steppers]
+        save_checkpoint(cfg.out, policy, tok, {"iteration": iteration, "config": dataclasses.asdict(cfg),
+                                               "optimizers": optimizers, "rng": rng_state()}, critic)
 
     def log(row: dict):
         with open(metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
-    log({"iteration": 0, "eval_accuracy": evaluate(0)})
+    if start == 1:
+        log({"iteration": 0, "eval_accuracy": evaluate(0)})
     if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
-        save_checkpoint(cfg.out, policy, tok, {"iteration": 0, "config": dataclasses.asdict(cfg)})
-    for it in range(1, cfg.iterations + 1):
+        checkpoint(0)
+    for it in range(start, cfg.iterations + 1):
         t0 = time.time()
         times, diagnostics = {}, {}
         # 1-3. sample prompts (reference: shuffle with seed + iteration), responses, rewards
@@ -370,7 +383,7 @@ def main(cfg: Config):
         # 7. PPO epochs over shuffled minibatches; advantages whitened per minibatch (reference §2.6).
         #    The critic takes its own step on the same minibatch; during warm-up only the critic learns.
         t = time.time()
-        stats, critic_stats, grad_norms = [], [], []
+        stats, critic_stats, grad_norms, nonfinite = [], [], [], 0
         policy.train()
         move_policy = it > cfg.critic_warmup
         for epoch in range(cfg.epochs):
@@ -385,23 +398,27 @@ def main(cfg: Config):
                         with autocast:
                             logp, _ = rollout.token_logprobs(policy, ids[s], mask[s], cfg.temperature)
                         loss, st = ppo.ppo_loss(logp, b["old"][s], b["ref"][s], adv[s], b["act"][s], cfg.clip, cfg.kl_coef)
-                        (loss * share).backward()
-                        stats.append(st)
+                        if torch.isfinite(loss):  # a non-finite loss would corrupt the weights: skip it
+                            (loss * share).backward()
+                            stats.append(st)
+                        else:
+                            nonfinite += 1
                     if critic is not None:
                         with autocast:
                             out = critic(ids[s], mask[s], b["prompt_lens"][s])
                         loss, st = value.critic_loss(critic, out, b["val"][s], b["ret"][s], b["reward"][s], b["act"][s], cfg.value_clip)
-                        (loss * share).backward()
-                        critic_stats.append(st)
+                        if torch.isfinite(loss):
+                            (loss * share).backward()
+                            critic_stats.append(st)
+                        else:
+                            nonfinite += 1
                 for model, optim, scheduler in steppers:
                     if model is policy and not move_policy:
                         continue
-                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
-                    if model is policy:
+                    norm = optimizer_step(model, optim, scheduler)
+                    nonfinite += norm is None
+                    if model is policy and norm is not None:
                         grad_norms.append(norm)
-                    optim.step()
-                    scheduler.step()
-                    optim.zero_grad()
         times["time_update"] = time.time() - t
 
         # 8. log, evaluate, checkpoint
@@ -412,6 +429,9 @@ def main(cfg: Config):
         row.update({k: mean(stats, k) for k in ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio") if stats})
         row.update({k: mean(critic_stats, k) for k in ("value_loss", "value_clipfrac") if critic_stats})
         row["skipped_batches"] = int(sum(s["skipped"] for s in stats))
+        row["nonfinite_skips"] = nonfinite
+        if nonfinite:
+            tqdm.write(f"warning: iteration {it}: skipped {nonfinite} non-finite losses or gradients")
         row["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
         row["response_tokens"] = sum(len(ep.response_ids) for ep in episodes) / len(episodes)
         row["mc_states"] = n_states
@@ -422,7 +442,7 @@ def main(cfg: Config):
         row["seconds"] = time.time() - t0
         log(row)
         if it % cfg.save_every == 0 or it == cfg.iterations:
-            save_checkpoint(cfg.out, policy, tok, {"iteration": it, "config": dataclasses.asdict(cfg)}, critic)
+            checkpoint(it)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,91 @@
+"""Models to and from disk: loading (hub id, local path, the tiny offline model), atomic
+checkpoints, and what --resume needs to continue a run exactly (optimizers, schedules, RNG)."""
+import json
+import os
+import random
+import shutil
+
+import torch
+
+from reward import DataError
+
+ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's SFT checkpoint
+
+def build_tiny_model(path: str, seed: int):
+    """A 4-layer, 128-wide Llama with random weights and a character-level tokenizer built in
+    code, saved with save_pretrained so that it loads through the same path as a hub model."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per char
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def load_model(name: str, device, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        model.to(device)
+    except Exception as e:  # hub, network and format errors all end here: one line, not a traceback
+        raise DataError(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]}); expected 'tiny', "
+                        f"one of {sorted(ALIASES)}, a local directory or a reachable hub id") from None
+    return tok, model
+
+
+def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None, name: str = "checkpoint"):
+    """Write OUT/name atomically: build it in a temporary directory, then swap it in; the previous
+    one is removed only once the new one is complete. safetensors weights (save_pretrained), the
+    critic in name/critic (backbone + value_head.pt), and trainer_state.pt for --resume."""
+    final, tmp, old = (os.path.join(out, name + suffix) for suffix in ("", ".tmp", ".old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if critic is not None:
+        critic.backbone.save_pretrained(os.path.join(tmp, "critic"))
+        torch.save({"head": critic.head_type, "state": critic.head.state_dict()}, os.path.join(tmp, "critic", "value_head.pt"))
+    if state is not None:
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def last_checkpoint(out: str) -> str | None:
+    """checkpoint/, or checkpoint.old/ when a kill fell between the two renames of a save."""
+    for name in ("checkpoint", "checkpoint.old"):
+        if os.path.exists(os.path.join(out, name, "trainer_state.pt")):
+            return os.path.join(out, name)
+    return None
+
+
+def truncate_jsonl(path: str, last_iteration: int):
+    """Drop the rows written after the checkpoint, so a resumed run neither repeats nor skips one."""
+    if os.path.exists(path):
+        rows = [line for line in open(path) if json.loads(line)["iteration"] <= last_iteration]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(rows)
+        os.replace(path + ".tmp", path)
+
+
+def rng_state() -> dict:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
