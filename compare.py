@@ -1,6 +1,6 @@
 """VinePPO, PPO, TPPO and GRPO side by side on the built-in task: one SFT start, same seeds.
 
-    python compare.py                                  # 4 methods x 3 seeds, the README's table
+    python compare.py --iterations 16                  # 4 methods x 3 seeds: the README's table
     python compare.py --seeds 0 --iterations 8         # a quick look
 
 Each run is `train.py` with the demo's settings, started from one shared SFT checkpoint, so
@@ -43,12 +43,13 @@ def main():
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
     p.add_argument("--algos", default="vineppo,ppo,tppo,grpo")
     p.add_argument("--iterations", type=int, default=train.DEMO["iterations"])
+    p.add_argument("--eval-every", type=int, default=4)
     args = p.parse_args()
     seeds, algos = [int(s) for s in args.seeds.split(",")], args.algos.split(",")
 
     run(os.path.join(args.out, "sft"), "--iterations", "0")  # the demo's SFT warm start, once
     start = os.path.join(args.out, "sft", "checkpoint")
-    settings = {**train.DEMO, "iterations": args.iterations, "sft_steps": 0}
+    settings = {**train.DEMO, "iterations": args.iterations, "sft_steps": 0, "eval_every": args.eval_every}
     flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     curves, seconds = {}, {}
     for algo in algos:

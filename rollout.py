@@ -81,12 +81,19 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
     Returns (continuations, finished): for each prefix, k lists of new ids (EOS kept) and k
     flags, True when EOS came within the budget."""
     device = next(model.parameters()).device
+    gen = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id, max_batch_tokens=max_batch_tokens)
+    if cache is None:  # encode the prefixes, once each, in groups that fit the budget; then fork
+        group = max(1, max_batch_tokens // (k * (max(map(len, prefixes)) + max(budgets))))
+        conts, done = [], []
+        for lo in range(0, len(prefixes), group):
+            part = prefixes[lo: lo + group]
+            ids, mask = pad_right(part, pad_id, device)
+            part_cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
+            c, d = sample(model, part, k, budgets[lo: lo + group], cache=part_cache, rows=list(range(len(part))), **gen)
+            conts, done = conts + c, done + d
+        return conts, done
     was_training = model.training
     model.eval()  # no dropout while sampling; restored on return
-    if cache is None:
-        ids, mask = pad_right(prefixes, pad_id, device)
-        cache = model(input_ids=ids, attention_mask=mask, use_cache=True).cache
-        rows = list(range(len(prefixes)))
     order = sorted(range(len(prefixes)), key=lambda j: (budgets[j], len(prefixes[j])))
     conts, done = [None] * len(prefixes), [None] * len(prefixes)
     while order:

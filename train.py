@@ -76,7 +76,8 @@ class Config:
     sft_lr: float = arg(1e-5, "SFT learning rate")
     sft_batch: int = arg(64, "SFT batch size")
     arith_slip: float = arg(0.0, "arith only: chance that a step of an SFT demonstration is off by one")
-    max_batch_tokens: int = arg(262144, "memory budget of one generation / forward batch, in tokens")
+    max_batch_tokens: int = arg(524288, "memory budget of one generation batch: rows x (prefix + new tokens)")
+    forward_batch_tokens: int = arg(32768, "memory budget of one log-prob / value forward pass, in tokens")
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'")
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: only transformers' own architectures)")
@@ -84,9 +85,9 @@ class Config:
 
 # The offline demo (--model tiny), in one place: a 0.9M-parameter model, SFT from scratch on
 # demonstrations with careless off-by-one slips, then VinePPO removes the slips. Sized for a 2-core CPU.
-DEMO = dict(iterations=24, prompts_per_iter=32, samples_per_prompt=8, mc_rollouts=4, minibatch=64,
-            micro_batch=64, lr=3e-5, warmup=0.0, kl_coef=1e-3, max_new_tokens=64, eval_every=4,
-            eval_problems=200, eval_samples=2, eval_temperature=0.6, save_every=8, sft_steps=500,
+DEMO = dict(iterations=32, prompts_per_iter=32, samples_per_prompt=8, mc_rollouts=4, minibatch=64,
+            micro_batch=64, lr=3e-5, warmup=0.0, kl_coef=1e-3, max_new_tokens=64, eval_every=8,
+            eval_problems=200, eval_samples=4, eval_temperature=0.6, save_every=8, sft_steps=500,
             sft_lr=3e-3, arith_slip=0.25, max_batch_tokens=32768, critic_lr=1e-4)
 ALGOS = ("vineppo", "ppo", "tppo", "grpo")
 
@@ -119,13 +120,12 @@ def group_chunks(episodes, max_tokens: int):
     so that identical states (which only share a prompt) meet in one batch."""
     chunk, width = [], 0
     for ep in episodes:
-        new_group = not chunk or ep.group != chunk[-1].group
-        w = max(width, len(ep.prompt_ids) + len(ep.response_ids))
-        if chunk and new_group and w * (len(chunk) + 1) > max_tokens:
+        length = len(ep.prompt_ids) + len(ep.response_ids)
+        if chunk and ep.group != chunk[-1].group and max(width, length) * (len(chunk) + 1) > max_tokens:
             yield chunk
-            chunk, w = [], len(ep.prompt_ids) + len(ep.response_ids)
+            chunk, width = [], 0
         chunk.append(ep)
-        width = w
+        width = max(width, length)
     if chunk:
         yield chunk
 
@@ -334,7 +334,7 @@ def main(cfg: Config):
         #    same forward pass's KV cache, or the critic's V(s_t) for PPO/TPPO (GRPO needs none)
         t = time.time()
         n_states, mc_tokens = 0, 0
-        for chunk in tqdm(list(group_chunks(episodes, cfg.max_batch_tokens)), desc=f"values {it}", leave=False):
+        for chunk in tqdm(list(group_chunks(episodes, cfg.forward_batch_tokens)), desc=f"values {it}", leave=False):
             ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad, device)
             with torch.no_grad(), autocast:
                 logp, cache = rollout.token_logprobs(policy, ids, mask, cfg.temperature, keep_cache=cfg.algo == "vineppo")
@@ -372,7 +372,7 @@ def main(cfg: Config):
 
         # 6. reference log-probs, once per iteration
         t = time.time()
-        for chunk in group_chunks(episodes, cfg.max_batch_tokens):
+        for chunk in group_chunks(episodes, cfg.forward_batch_tokens):
             ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad, device)
             with torch.no_grad(), autocast:
                 logp, _ = rollout.token_logprobs(ref, ids, mask, cfg.temperature)
