@@ -62,6 +62,19 @@ def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=Non
     shutil.rmtree(old, ignore_errors=True)
 
 
+def load_critic(checkpoint: str, device):
+    """The critic saved by save_checkpoint in checkpoint/critic, or None when there is none."""
+    path = os.path.join(checkpoint, "critic")
+    if not os.path.exists(os.path.join(path, "value_head.pt")):
+        return None
+    from transformers import AutoModel
+    import value
+    head = torch.load(os.path.join(path, "value_head.pt"), weights_only=True)
+    critic = value.Critic(AutoModel.from_pretrained(path), head["head"])
+    critic.head.load_state_dict(head["state"])
+    return critic.to(device)
+
+
 def last_checkpoint(out: str) -> str | None:
     """checkpoint/, or checkpoint.old/ when a kill fell between the two renames of a save."""
     for name in ("checkpoint", "checkpoint.old"):

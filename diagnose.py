@@ -25,9 +25,8 @@ import statistics
 import torch
 
 import rollout
-import value
 import vine
-from checkpoint import load_model
+from checkpoint import load_critic, load_model
 from reward import gsm8k_reward, load_problems
 from train import encode_prompt
 
@@ -86,12 +85,7 @@ def main():
     torch.manual_seed(a.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok, policy = load_model(a.checkpoint, device)
-    critic = None
-    if os.path.exists(os.path.join(a.checkpoint, "critic", "value_head.pt")):
-        from transformers import AutoModel
-        head = torch.load(os.path.join(a.checkpoint, "critic", "value_head.pt"), weights_only=True)
-        critic = value.Critic(AutoModel.from_pretrained(os.path.join(a.checkpoint, "critic")), head["head"]).to(device)
-        critic.head.load_state_dict(head["state"])
+    critic = load_critic(a.checkpoint, device)
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)
     gen = dict(temperature=a.temperature, top_p=a.top_p, eos_id=eos, pad_id=pad)

@@ -442,11 +442,8 @@ def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
     AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
     if algo != "grpo":
         assert "value_loss" in rows[-1] and "explained_variance" in rows[-1]
-        head = torch.load(tmp_path / "checkpoint" / "critic" / "value_head.pt")
-        assert head["head"] == {"ppo": "scalar", "tppo": "tracking"}[algo]
-        from transformers import AutoModel
-        critic = value.Critic(AutoModel.from_pretrained(tmp_path / "checkpoint" / "critic"), head["head"])
-        critic.head.load_state_dict(head["state"])
+        critic = checkpoint.load_critic(str(tmp_path / "checkpoint"), "cpu")
+        assert critic.head_type == {"ppo": "scalar", "tppo": "tracking"}[algo]
 
 
 def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):

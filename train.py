@@ -26,8 +26,8 @@ import ppo
 import rollout
 import value
 import vine
-from checkpoint import (ALIASES, build_tiny_model, last_checkpoint, load_model, rng_state, save_checkpoint,
-                        set_rng_state, truncate_jsonl)
+from checkpoint import (ALIASES, build_tiny_model, last_checkpoint, load_critic, load_model, rng_state,
+                        save_checkpoint, set_rng_state, truncate_jsonl)
 from reward import PROMPT, DataError, gsm8k_reward, load_problems, sft_target
 
 
@@ -276,15 +276,9 @@ def main(cfg: Config):
     if on_gpu:
         ref.to(torch.bfloat16)
     critic = None
-    if cfg.algo in ("ppo", "tppo") and resume_from:
-        from transformers import AutoModel
-        head = torch.load(os.path.join(resume_from, "critic", "value_head.pt"), weights_only=True)
-        critic = value.Critic(AutoModel.from_pretrained(os.path.join(resume_from, "critic")), head["head"])
-        critic.head.load_state_dict(head["state"])
-    elif cfg.algo in ("ppo", "tppo"):
-        critic = value.Critic(copy.deepcopy(policy.base_model), cfg.value_head)
-    if critic is not None:
-        critic.to(device)
+    if cfg.algo in ("ppo", "tppo"):
+        critic = load_critic(resume_from, device) if resume_from else \
+            value.Critic(copy.deepcopy(policy.base_model), cfg.value_head).to(device)
     steps_per_iter = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
     total = cfg.iterations * steps_per_iter
     warmup = int(cfg.warmup * total)
