@@ -9,28 +9,85 @@ K continuations from each. This script times four ways to produce all of them, w
 token counts (trajectories x states x K continuations of exactly --new-tokens tokens each):
 
   1. naive        every state on its own: re-encode its prefix, sample K continuations;
-  2. fork-each    one forward pass over the whole trajectories (kept KV cache, timed too),
-                  then one fork + sample call per state;
-  3. fork-batch   the same forward pass, then ONE sample call over all states (what training does);
-  4. decode-only  the floor: one already-encoded prefix of the mean state length (encoded outside
-                  the timer), forked into as many rows and decoded in one batch; only decoding
-                  is timed, so no way of producing MC continuations can beat it.
+  2. fork-each    one fork + sample call per state, from the KV cache of the log-prob forward
+                  pass over the whole trajectories;
+  3. fork-batch   the same cache, ONE sample call over all states (what training does);
+  4. decode-only  the floor: one prefix of the mean state length, encoded outside the timer, copied
+                  into as many cache rows (HF attention needs one per sequence) and decoded in
+                  one batch: no way of producing the continuations with HF generate can beat it.
 
-The model is random-init (speed does not depend on the weights) and the trajectories are random
-tokens. Methods are interleaved, each repeat in a rotated order, and the median of the repeats
-is reported. The last printed line is one JSON object with the medians and the settings.
+The log-prob forward pass (keeping its cache) is timed on its own line and left out of 2 and 3:
+every method, naive included, needs those log-probs for the PPO loss, so it is not a cost of
+the MC values. The model is random-init (speed does not depend on the weights) and the
+trajectories are random tokens. Methods are interleaved, each repeat in a rotated order, and
+the median of the repeats is reported. The last printed line is one JSON object.
 """
 import argparse
+import contextlib
+import io
 import json
 import statistics
+import tempfile
 import time
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rollout
 
 PAD = 0
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of tensor storage alive at once, for CPUs (whose allocator keeps no statistics):
+    every storage an op reads or writes is counted once, and a weak reference to it takes its
+    bytes off again when it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.refs = 0, 0, {}
+
+    def _free(self, key, nbytes):
+        self.live -= nbytes
+        self.refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves((out, args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.refs:
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                if key:
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    self.refs[key] = weakref.ref(storage, lambda _, key=key, n=nbytes: self._free(key, n))
+        return out
+
+
+def peak_memory(a) -> dict:
+    """Peak memory of a one-iteration train.py run per algorithm (same model, data and budgets):
+    torch.cuda.max_memory_allocated on a GPU, LiveTensorBytes on a CPU."""
+    import train
+    peaks = {}
+    for algo in ("vineppo", "ppo"):
+        with tempfile.TemporaryDirectory() as out:
+            argv = ["--algo", algo, "--iterations", "1", "--out", out, "--model", a.memory_model,
+                    "--device", a.device] + a.train_args.split()
+            print(f"  memory: train.py {' '.join(argv)}", flush=True)
+            cfg = train.parse_args(argv)
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                if a.device.startswith("cuda"):
+                    torch.cuda.reset_peak_memory_stats()
+                    train.main(cfg)
+                    peaks[algo] = torch.cuda.max_memory_allocated()
+                else:
+                    with LiveTensorBytes() as counter:
+                        train.main(cfg)
+                    peaks[algo] = counter.peak
+    return peaks
 
 
 def build_model(a):
@@ -41,12 +98,13 @@ def build_model(a):
     return LlamaForCausalLM(config).to(a.device, getattr(torch, a.dtype)).eval()
 
 
-def timed(fn, device):
-    """Seconds taken by fn(), waiting for queued GPU work before and after."""
+def timed(fn, device, setup=lambda: ()):
+    """Seconds taken by fn(*setup()), setup untimed, waiting for queued GPU work before and after."""
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    args = setup()
     sync()
     t0 = time.perf_counter()
-    fn()
+    fn(*args)
     sync()
     return time.perf_counter() - t0
 
@@ -60,10 +118,26 @@ def main():
         p.add_argument("--" + name, type=int, default=default)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--only", choices=["speed", "memory"], help="run one of the two measurements (default: both)")
+    p.add_argument("--memory-model", default="tiny", help="train.py --model for the memory measurement")
+    p.add_argument("--train-args", default="--sft-steps 100 --eval-problems 16 --eval-samples 1",
+                   help="further train.py options for the memory measurement")
     a = p.parse_args()
     if a.threads:  # on a CPU shared with other jobs, fewer threads than cores avoids spinning threads
         torch.set_num_threads(a.threads)
+    result = {}
+    if a.only != "memory":
+        result.update(speed(a))
+    if a.only != "speed":
+        peaks = peak_memory(a)
+        print(f"\npeak memory of a 1-iteration run of --model {a.memory_model}: "
+              + ", ".join(f"{algo} {b / 2**20:.1f} MiB" for algo, b in peaks.items()))
+        result.update(memory_ratio_vineppo_vs_ppo=peaks["vineppo"] / peaks["ppo"], peak_memory_bytes=peaks)
+    result.update(torch_threads=torch.get_num_threads(), args=vars(a))
+    print(json.dumps(result))
 
+
+def speed(a) -> dict:
     model = build_model(a)
     n_params = sum(t.numel() for t in model.parameters())
     g = torch.Generator().manual_seed(a.seed)
@@ -78,28 +152,26 @@ def main():
     # sample, so no sampled token ever equals it and every continuation runs its full budget.
     gen = dict(temperature=1.0, top_p=1.0, eos_id=a.vocab, pad_id=PAD)
 
-    def encode():  # the one forward pass over whole trajectories that training does anyway
+    def forward():  # the log-prob pass over whole trajectories that training does anyway
         ids, mask = rollout.pad_right(trajs, PAD, a.device)
-        return rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)[1]
+        return (rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)[1],)
 
     def naive():
         for prefix in prefixes:
             rollout.sample(model, [prefix], a.k, [a.new_tokens], **gen)
 
-    def fork_each():
-        cache = encode()
+    def fork_each(cache):
         for prefix, row in zip(prefixes, rows):
             rollout.sample(model, [prefix], a.k, [a.new_tokens], cache=cache, rows=[row], **gen)
 
-    def fork_batch():
-        cache = encode()
+    def fork_batch(cache):
         out, done = rollout.sample(model, prefixes, a.k, budgets, cache=cache, rows=rows,
                                    max_batch_tokens=a.max_batch_tokens, **gen)
         assert sum(len(c) for cs in out for c in cs) == n_tokens and not any(map(any, done))
 
     mean_len = round(sum(map(len, prefixes)) / len(prefixes))
     floor_prefix = trajs[0][:mean_len]
-    with torch.no_grad():  # encoded once, outside every timer
+    with torch.no_grad():
         ids, mask = rollout.pad_right([floor_prefix], PAD, a.device)
         floor_cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)[1]
 
@@ -107,16 +179,19 @@ def main():
         rollout.sample(model, [floor_prefix] * len(prefixes), a.k, budgets, cache=floor_cache,
                        rows=[0] * len(prefixes), max_batch_tokens=1 << 62, **gen)
 
-    methods = {"naive": naive, "fork-each": fork_each, "fork-batch": fork_batch, "decode-only": decode_only}
+    methods = {"naive": (naive, lambda: ()), "fork-each": (fork_each, forward), "fork-batch": (fork_batch, forward),
+               "decode-only": (decode_only, lambda: ()), "forward": (lambda: forward(), lambda: ())}
+
     names = list(methods)
     times = {name: [] for name in names}
     start = time.perf_counter()
     with torch.no_grad():
         rollout.sample(model, [floor_prefix], a.k, [a.new_tokens], cache=floor_cache, rows=[0], **gen)  # warm-up
         for r in range(a.repeats):
-            for name in names[r % 4:] + names[: r % 4]:  # rotate so no method is always first
+            for name in names[r % len(names):] + names[: r % len(names)]:  # rotate so no method is always first
                 torch.manual_seed(a.seed + r)
-                times[name].append(timed(methods[name], a.device))
+                fn, setup = methods[name]
+                times[name].append(timed(fn, a.device, setup))
                 print(f"  repeat {r + 1}/{a.repeats} {name:<12} {times[name][-1]:8.2f} s", flush=True)
     med = {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -125,14 +200,13 @@ def main():
           f"mean state length {mean_len}")
     print(f"{'method':<12} {'median s':>10} {'tokens/s':>10} {'x fork-batch':>13}")
     for name in names:
-        print(f"{name:<12} {med[name]:>10.3f} {n_tokens / med[name]:>10.1f} {med[name] / med['fork-batch']:>13.2f}")
+        rate = f"{n_tokens / med[name]:>10.1f}" if name != "forward" else f"{'':>10}"
+        print(f"{name:<12} {med[name]:>10.3f} {rate} {med[name] / med['fork-batch']:>13.2f}")
+    print(f"(forward: the log-prob pass over {a.trajectories} x {a.traj_len} tokens that every method needs anyway)")
     print(f"total benchmark time {time.perf_counter() - start:.1f} s")
-    print(json.dumps({
-        "speedup_vs_naive": med["naive"] / med["fork-batch"],
-        "overhead_vs_decode_only": med["fork-batch"] / med["decode-only"],
-        "median_s": med, "continuation_tokens": n_tokens, "params": n_params, "mean_state_len": mean_len,
-        "torch_threads": torch.get_num_threads(), "args": vars(a),
-    }))
+    return {"speedup_vs_naive": med["naive"] / med["fork-batch"],
+            "overhead_vs_decode_only": med["fork-batch"] / med["decode-only"],
+            "median_s": med, "continuation_tokens": n_tokens, "params": n_params, "mean_state_len": mean_len}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass
@@ -53,19 +54,58 @@ def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = Fals
     return logp, (out.cache if keep_cache else None)
 
 
-def fork_cache(cache, rows: torch.Tensor, ends: torch.Tensor, width: int) -> DynamicCache:
-    """Keys/values of prefixes seq[rows[j], :ends[j]-1], right-aligned in width-1 columns.
+class PreallocatedLayer(DynamicLayer):
+    """A cache layer whose keys/values live in buffers sized for the whole generation: each
+    decoding step writes its column in place. (DynamicLayer re-allocates the whole cache with
+    torch.cat at every step, which dominated the time of large forked batches.)"""
 
-    The last prefix token is left out: `generate` feeds it to get the first new logits.
-    Columns left of a prefix are padding (masked); rows may repeat (K forks of one state)."""
-    cols = ends[:, None] - width + torch.arange(width - 1, device=ends.device)  # [n, W-1]
-    cols = cols.clamp(min=0)
-    layers = []
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
+        super().__init__()
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer  # [B, H, capacity, D]
+        self.keys, self.values = key_buffer[:, :, :length], value_buffer[:, :, :length]
+        self.device, self.is_initialized = key_buffer.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int):
+    """Reset the environment to each prefix, k times: prefix j is row rows[j] of the batch whose
+    forward pass made `cache`. Returns left-padded ids [n*k, W], their attention mask, and a cache
+    holding the keys/values of the first W-1 columns (right-aligned; padding columns zero and
+    masked) in buffers with room for new_tokens more. The last column is left out of the cache:
+    `generate` feeds it to get the first new logits."""
+    device, width = cache.layers[0].keys.device, max(map(len, prefixes))
+    ends = [len(p) for p in prefixes for _ in range(k)]
+    ids = torch.full((len(ends), width), pad_id, device=device)  # [n*k, W]
+    for j, p in enumerate(prefixes):
+        ids[j * k:(j + 1) * k, width - len(p):] = torch.tensor(p, device=device)
+    mask = (torch.arange(width, device=device)[None, :] >= width - torch.tensor(ends, device=device)[:, None]).long()
+    forked = DynamicCache()
     for keys, values, *_ in cache:  # each [B, H, L, D]
-        # advanced indices on dims 0 and 2 -> [n, W-1, H, D] -> [n, H, W-1, D]
-        layers.append((keys[rows[:, None], :, cols].transpose(1, 2),
-                       values[rows[:, None], :, cols].transpose(1, 2)))
-    return DynamicCache(ddp_cache_data=layers)
+        buffers = []
+        for x in (keys, values):
+            buf = x.new_empty(len(ends), x.shape[1], width - 1 + new_tokens, x.shape[3])  # [n*k, H, W-1+new, D]
+            for i, e in enumerate(ends):  # block copies: far faster than one advanced-index gather
+                buf[i, :, : width - e] = 0  # masked, but must be finite (0 * NaN would leak through)
+                buf[i, :, width - e: width - 1] = x[rows[i // k], :, : e - 1]
+            buffers.append(buf)
+        forked.layers.append(PreallocatedLayer(*buffers, width - 1))
+    return ids, mask, forked
+
+
+def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top_p: float, eos_id: int, pad_id: int):
+    """HF `generate` on from fork()'s output: [n, new_tokens] new ids (temperature 0 = greedy)."""
+    # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=new_tokens,
+                         eos_token_id=eos_id, pad_token_id=pad_id, **sampling)
+    return out[:, ids.shape[1]:]
 
 
 @torch.no_grad()
@@ -101,19 +141,10 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
         cost = lambda c: len(c) * k * (max(len(prefixes[j]) for j in c) + budgets[c[0]])
         while order and cost(chunk + order[-1:]) <= max_batch_tokens:
             chunk.append(order.pop())
-        width = max(len(prefixes[j]) for j in chunk)
-        rep = lambda xs: torch.tensor(xs, device=device).repeat_interleave(k)
-        ends = rep([len(prefixes[j]) for j in chunk])
-        forked = fork_cache(cache, rep([rows[j] for j in chunk]), ends, width)
-        ids = torch.full((len(chunk) * k, width), pad_id, device=device)  # [n*k, W] left-padded prefixes
-        for i, j in enumerate(chunk):
-            ids[i * k:(i + 1) * k, width - len(prefixes[j]):] = torch.tensor(prefixes[j], device=device)
-        mask = (torch.arange(width, device=device)[None, :] >= width - ends[:, None]).long()
-        # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
-        out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=budgets[chunk[0]],
-                             eos_token_id=eos_id, pad_token_id=pad_id, **sampling)
-        new = out[:, width:].tolist()
+        budget = budgets[chunk[0]]
+        ids, mask, forked = fork(cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget, pad_id)
+        new = decode(model, ids, mask, forked, budget, temperature=temperature, top_p=top_p,
+                     eos_id=eos_id, pad_id=pad_id).tolist()
         for i, j in enumerate(chunk):
             conts[j], done[j] = [], []
             for seq in new[i * k:(i + 1) * k]:

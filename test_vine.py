@@ -146,20 +146,22 @@ def test_forked_greedy_equals_reencoded_greedy(model):
 
 
 def test_forked_logprobs_equal_full_forward(model):
+    """Log-probs through a fork of several prefixes of several rows, over three decoding steps
+    (each written into the preallocated cache), equal those of the full forward pass."""
     seqs = random_seqs([20, 9, 14], seed=2)
     ids, mask = rollout.pad_right(seqs, 0)
     full, cache = rollout.token_logprobs(model, ids, mask, 0.6, keep_cache=True)
-    rows, ends = torch.tensor([0, 2, 1, 0]), torch.tensor([7, 14, 9, 20])
-    width = int(ends.max())
-    forked = rollout.fork_cache(cache, rows, ends, width)
-    # continue all four prefixes with their true next token (or any token at the end) in one call
-    last = torch.tensor([seqs[r][e - 1] for r, e in zip(rows.tolist(), ends.tolist())])[:, None]
-    attn = (torch.arange(width)[None, :] >= width - ends[:, None]).long()
-    out = model(input_ids=last, attention_mask=attn, cache=forked, position_ids=(ends - 1)[:, None])
-    logp = (out.logits[:, -1] / 0.6).log_softmax(-1)
-    for i, (r, e) in enumerate(zip(rows.tolist(), ends.tolist())):
-        if e < len(seqs[r]):
-            assert logp[i, seqs[r][e]].item() == pytest.approx(full[r, e - 1].item(), abs=1e-9)
+    rows, ends = [0, 2, 1, 0], [7, 11, 6, 16]
+    prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
+    fork_ids, attn, forked = rollout.fork(cache, prefixes, rows, 1, 3, pad_id=0)
+    for step in range(3):  # feed the true next tokens one at a time
+        last = torch.tensor([seqs[r][e - 1 + step] for r, e in zip(rows, ends)])[:, None]
+        out = model(input_ids=last, attention_mask=attn, cache=forked, position_ids=torch.tensor(ends)[:, None] - 1 + step)
+        logp = (out.logits[:, -1] / 0.6).log_softmax(-1)
+        for i, (r, e) in enumerate(zip(rows, ends)):
+            assert logp[i, seqs[r][e + step]].item() == pytest.approx(full[r, e - 1 + step].item(), abs=1e-9)
+        attn = torch.cat([attn, torch.ones(4, 1, dtype=attn.dtype)], 1)
+    assert forked.get_seq_length() == max(ends) + 2
 
 
 def test_token_logprobs_temperature_and_alignment(model):
