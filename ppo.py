@@ -12,10 +12,13 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_whiten(x, mask, eps: float = 1e-8):
-    """(x - mean) / sqrt(var + eps) over the masked entries, unbiased variance (reference §2.6)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask) * mask.sum() / (mask.sum() - 1).clamp(min=1)
+def masked_whiten(x, mask, eps: float = 1e-8, all_reduce=lambda t: t):
+    """(x - mean) / sqrt(var + eps) over the masked entries, unbiased variance (reference §2.6).
+    all_reduce sums a tensor over processes, so that several processes whiten their shares of
+    one minibatch with its global statistics (as the reference does across GPUs)."""
+    total, n = all_reduce(torch.stack([(x * mask).sum(), mask.sum()]))
+    mean = total / n.clamp(min=1)
+    var = all_reduce(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 

@@ -243,6 +243,20 @@ def test_masked_whiten():
     assert w[0, 3].item() == 0.0
 
 
+def test_masked_whiten_with_global_statistics():
+    """Two processes whiten their halves of a minibatch with its global mean and variance: the
+    all_reduce here adds what the other process would contribute, hand-computed."""
+    x = torch.tensor([[1.0, 5.0, 0.0], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    other = [torch.tensor([7.0 + 8.0, 2.0]), torch.tensor((7.0 - 4.8) ** 2 + (8.0 - 4.8) ** 2)]  # the half [7, 8]
+    calls = iter(other)
+    w = ppo.masked_whiten(x, mask, all_reduce=lambda t: t + next(calls))
+    # all five: 1, 5, 3, 7, 8 -> mean 4.8, unbiased variance 8.2
+    expected = [(v - 4.8) / 8.2 ** 0.5 for v in (1.0, 5.0, 3.0)]
+    assert [w[0, 0].item(), w[0, 1].item(), w[1, 0].item()] == pytest.approx(expected, abs=1e-6)
+    assert w[0, 2].item() == w[1, 1].item() == 0.0
+
+
 def naive_gae(rewards, values, gamma, lam):
     """The textbook per-step loop on one unpadded trajectory."""
     adv, T = [0.0] * len(rewards), len(rewards)
@@ -446,6 +460,30 @@ def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
         assert "value_loss" in rows[-1] and "explained_variance" in rows[-1]
         critic = checkpoint.load_critic(str(tmp_path / "checkpoint"), "cpu")
         assert critic.head_type == {"ppo": "scalar", "tppo": "tracking"}[algo]
+
+
+@pytest.mark.parametrize("algo", ["vineppo", "ppo"])
+def test_torchrun_two_processes_stay_in_sync(tmp_path, algo):
+    """torchrun --nproc_per_node 2 on CPU (gloo), SFT and 2 iterations: afterwards both processes
+    hold identical weights, which moved, and every iteration's metrics count each prompt once."""
+    out = tmp_path / "out"
+    script = tmp_path / "run.py"  # train.py's main, then each process saves the weights it holds
+    script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\nimport train\n"
+                      "policy = train.main(train.parse_args(sys.argv[1:]))\n"
+                      f"torch.save(policy.state_dict(), os.path.join({str(out)!r}, 'rank' + os.environ['RANK'] + '.pt'))\n")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(script), "--algo", algo, "--out", str(out), *SMALL], cwd=HERE,
+                       env={**OFFLINE, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    w0, w1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    saved = AutoModelForCausalLM.from_pretrained(out / "checkpoint").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(out / "reference").state_dict()  # after SFT, before RL
+    assert all(torch.equal(w0[k], saved[k]) for k in saved) and any(not torch.equal(w0[k], start[k]) for k in start)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [row["iteration"] for row in rows] == [0, 1, 2]
+    for row in rows[1:]:  # 4 prompts x 2 samples per iteration, split 2 + 2 over the processes
+        assert row["prompts"] == 4 and row["episodes"] == 8 and "eval_accuracy" in row
 
 
 def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):

@@ -2,6 +2,7 @@
 
     python train.py                                        # offline demo: tiny model, arithmetic chains
     python train.py --model rho-math-1.1b --data gsm8k     # the paper's setting (GPU, hub access)
+    torchrun --nproc_per_node 8 train.py --model rho-math-1.1b --data gsm8k   # 8 GPUs, DDP
 
 One iteration (VinePPO, Algorithm 1): sample prompts -> sample responses -> grade them -> MC values
 from forked continuations at every step boundary -> step advantages -> old and reference
@@ -20,6 +21,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import ppo
@@ -178,17 +181,60 @@ def optimizer_step(model, optim, scheduler, max_norm: float = 1.0) -> float | No
     return norm if math.isfinite(norm) else None
 
 
+# ---- several processes (torchrun): each one a share of the prompts, DDP for the update ----
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over processes, in place; the identity in a single process."""
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def gather(obj) -> list:
+    """Every process's obj, on every process ([obj] in a single process)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def merge_rows(rows: list[dict]) -> dict:
+    """Per-process metric rows -> one: counts summed, times of the slowest process, the rest
+    averaged (every process holds an equal share of the episodes)."""
+    merged = {}
+    for key in rows[0]:
+        vals = [r[key] for r in rows]
+        if key in ("episodes", "mc_states", "tokens_generated", "skipped_batches", "nonfinite_skips"):
+            merged[key] = sum(vals)
+        elif key.startswith("time_") or key == "seconds":
+            merged[key] = max(vals)
+        else:
+            merged[key] = vals[0] if len(set(vals)) == 1 else sum(vals) / len(vals)
+    return merged
+
+
 # ---- main ---------------------------------------------------------------------------------
 
 def main(cfg: Config):
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     on_gpu = device.type == "cuda"
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:  # started by torchrun: one process per GPU (gloo on CPUs)
+        if on_gpu:
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
+        for name in ("prompts_per_iter", "minibatch"):
+            if getattr(cfg, name) % world:
+                raise DataError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be divisible by the {world} processes")
+    main_process = rank == 0
+    random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)  # processes sample different responses
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else nullcontext()  # fp32 master weights
     try:
         os.makedirs(cfg.out, exist_ok=True)
-        probe = os.path.join(cfg.out, ".writable")
+        probe = os.path.join(cfg.out, f".writable{rank}")
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
@@ -211,8 +257,10 @@ def main(cfg: Config):
     name = ALIASES.get(cfg.model, cfg.model)
     if name == "tiny":
         name = os.path.join(cfg.out, "tiny-init")
-        if not resume_from:
+        if not resume_from and main_process:
             build_tiny_model(name, cfg.seed)
+        if world > 1:
+            dist.barrier()
     tok, policy = load_model(resume_from or name, device, cfg.trust_remote_code)
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)  # token id -> text
@@ -235,21 +283,26 @@ def main(cfg: Config):
             ep.reward = grade(ep.response_ids, ep) if ep.finished else 0.0
         return eps
 
-    def evaluate(iteration: int) -> float:
-        eps = sample_episodes(eval_set, cfg.eval_samples, cfg.eval_temperature)
-        with open(samples_path, "a") as f:
-            for ep in eps[: 3 * cfg.eval_samples: cfg.eval_samples]:
-                f.write(json.dumps({"iteration": iteration, "prompt": tok.decode(ep.prompt_ids, skip_special_tokens=True),
-                                    "response": tok.decode(ep.response_ids, skip_special_tokens=True),
-                                    "gold": ep.gold, "reward": ep.reward}) + "\n")
-        return sum(ep.reward for ep in eps) / len(eps)
+    def evaluate(iteration: int) -> float:  # each process a share of the held-out problems
+        eps = sample_episodes(eval_set[rank::world], cfg.eval_samples, cfg.eval_temperature)
+        if main_process:
+            with open(samples_path, "a") as f:
+                for ep in eps[: 3 * cfg.eval_samples: cfg.eval_samples]:
+                    f.write(json.dumps({"iteration": iteration, "prompt": tok.decode(ep.prompt_ids, skip_special_tokens=True),
+                                        "response": tok.decode(ep.response_ids, skip_special_tokens=True),
+                                        "gold": ep.gold, "reward": ep.reward}) + "\n")
+        correct, count = all_reduce_sum(torch.tensor([sum(ep.reward for ep in eps), len(eps)], dtype=torch.float64, device=device))
+        return (correct / count).item()
+
+    def ddp(model):  # gradients averaged over processes at every backward; the same model when alone
+        return DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None) if world > 1 else model
 
     # ---- SFT warm start on the gold solutions (reference §3.3 format) ----
     if cfg.sft_steps and not resume_from:
         sft_opt = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-        rng = random.Random(cfg.seed)
-        for step in tqdm(range(cfg.sft_steps), desc="sft"):
-            batch = rng.sample(train_set, min(cfg.sft_batch, len(train_set)))
+        rng, sft_model = random.Random(cfg.seed), ddp(policy)
+        for step in tqdm(range(cfg.sft_steps), desc="sft", disable=not main_process):
+            batch = rng.sample(train_set, min(cfg.sft_batch, len(train_set)))[rank::world]
             targets = [tok(sft_target(p.get("demonstration", p["answer"])), add_special_tokens=False).input_ids + [eos]
                        for p in batch]
             ids, mask = rollout.pad_right([p["prompt_ids"] + t for p, t in zip(batch, targets)], pad, device)
@@ -259,13 +312,14 @@ def main(cfg: Config):
             for group in sft_opt.param_groups:
                 group["lr"] = cfg.sft_lr * min(1.0, (step + 1) / 20) * (1 - step / cfg.sft_steps)
             with autocast:
-                loss = policy(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss = sft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
             sft_opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             sft_opt.step()
-        del sft_opt
-        save_checkpoint(cfg.out, policy, tok, name="reference")  # resumed runs reload it
+        del sft_opt, sft_model
+        if main_process:
+            save_checkpoint(cfg.out, policy, tok, name="reference")  # resumed runs reload it
 
     # frozen reference = the starting policy; the critic (PPO / TPPO) = its backbone + a value head
     if resume_from:
@@ -292,23 +346,43 @@ def main(cfg: Config):
         for (_, optim, scheduler), saved in zip(steppers, state["optimizers"]):
             optim.load_state_dict(saved["optimizer"])
             scheduler.load_state_dict(saved["scheduler"])
-        set_rng_state(state["rng"])
         start = state["iteration"] + 1
-        truncate_jsonl(metrics_path, state["iteration"])
-        truncate_jsonl(samples_path, state["iteration"])
-    else:
+        if len(state["rng"]) == world:  # one random state per process
+            set_rng_state(state["rng"][rank])
+        else:
+            tqdm.write(f"--resume: written by {len(state['rng'])} processes, now {world}: random streams reseeded")
+            torch.manual_seed(cfg.seed + rank + 1000 * start)
+        if main_process:
+            truncate_jsonl(metrics_path, state["iteration"])
+            truncate_jsonl(samples_path, state["iteration"])
+    elif main_process:
         for path in (metrics_path, samples_path):
             open(path, "w").close()
+    train_policy, train_critic = ddp(policy), ddp(critic) if critic is not None else None
 
-    def checkpoint(iteration: int):
+    def accumulate(loss, stats: dict, into: list) -> bool:
+        """Backward of one micro-batch's loss, unless it is not finite (it would corrupt the weights):
+        then returns True and drops its stats. Under DDP every process must take part in every
+        backward, so it runs anyway, and the NaN gradient norm skips the step on all processes."""
+        finite = bool(torch.isfinite(loss))
+        if finite:
+            into.append(stats)
+        if finite or world > 1:
+            loss.backward()
+        return not finite
+
+    def checkpoint(iteration: int):  # the same on every process; the first one writes
         optimizers = [{"optimizer": o.state_dict(), "scheduler": s.state_dict()} for _, o, s in steppers]
-        save_checkpoint(cfg.out, policy, tok, {"iteration": iteration, "config": dataclasses.asdict(cfg),
-                                               "optimizers": optimizers, "rng": rng_state()}, critic)
+        rngs = gather(rng_state())
+        if main_process:
+            save_checkpoint(cfg.out, policy, tok, {"iteration": iteration, "config": dataclasses.asdict(cfg),
+                                                   "optimizers": optimizers, "rng": rngs}, critic)
 
     def log(row: dict):
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        if main_process:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
     if start == 1:
         log({"iteration": 0, "eval_accuracy": evaluate(0)})
@@ -317,8 +391,9 @@ def main(cfg: Config):
     for it in range(start, cfg.iterations + 1):
         t0 = time.time()
         times, diagnostics = {}, {}
-        # 1-3. sample prompts (reference: shuffle with seed + iteration), responses, rewards
-        problems = random.Random(cfg.seed + it).sample(train_set, min(cfg.prompts_per_iter, len(train_set)))
+        # 1-3. sample prompts (reference: shuffle with seed + iteration; each process a share), responses, rewards
+        picked = random.Random(cfg.seed + it).sample(range(len(train_set)), min(cfg.prompts_per_iter, len(train_set)))
+        problems = [train_set[i] for i in picked[rank::world]]
         episodes = sample_episodes(problems, cfg.samples_per_prompt, cfg.temperature)
         for ep in episodes:
             ep.step_starts = vine.step_starts([pieces[i] for i in ep.response_ids])
@@ -328,7 +403,8 @@ def main(cfg: Config):
         #    same forward pass's KV cache, or the critic's V(s_t) for PPO/TPPO (GRPO needs none)
         t = time.time()
         n_states, mc_tokens = 0, 0
-        for chunk in tqdm(list(group_chunks(episodes, cfg.forward_batch_tokens)), desc=f"values {it}", leave=False):
+        for chunk in tqdm(list(group_chunks(episodes, cfg.forward_batch_tokens)), desc=f"values {it}", leave=False,
+                          disable=not main_process):
             ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad, device)
             with torch.no_grad(), autocast:
                 logp, cache = rollout.token_logprobs(policy, ids, mask, cfg.temperature, keep_cache=cfg.algo == "vineppo")
@@ -382,30 +458,23 @@ def main(cfg: Config):
         move_policy = it > cfg.critic_warmup
         for epoch in range(cfg.epochs):
             order = torch.randperm(len(episodes)).tolist()
-            for lo in tqdm(range(0, len(order), cfg.minibatch), desc=f"update {it}.{epoch}", leave=False):
-                batch = [episodes[i] for i in order[lo: lo + cfg.minibatch]]
+            for lo in tqdm(range(0, len(order), cfg.minibatch // world), desc=f"update {it}.{epoch}", leave=False,
+                           disable=not main_process):
+                batch = [episodes[i] for i in order[lo: lo + cfg.minibatch // world]]
                 ids, mask, b = collate(batch, pad, device)
-                adv = ppo.masked_whiten(b["adv"], b["act"])
+                adv = ppo.masked_whiten(b["adv"], b["act"], all_reduce=all_reduce_sum)  # over all processes' shares
                 for m in range(0, len(batch), cfg.micro_batch):
                     s, share = slice(m, m + cfg.micro_batch), ids[m: m + cfg.micro_batch].shape[0] / len(batch)
                     if move_policy:
                         with autocast:
-                            logp, _ = rollout.token_logprobs(policy, ids[s], mask[s], cfg.temperature)
+                            logp, _ = rollout.token_logprobs(train_policy, ids[s], mask[s], cfg.temperature)
                         loss, st = ppo.ppo_loss(logp, b["old"][s], b["ref"][s], adv[s], b["act"][s], cfg.clip, cfg.kl_coef)
-                        if torch.isfinite(loss):  # a non-finite loss would corrupt the weights: skip it
-                            (loss * share).backward()
-                            stats.append(st)
-                        else:
-                            nonfinite += 1
+                        nonfinite += accumulate(loss * share, st, stats)
                     if critic is not None:
                         with autocast:
-                            out = critic(ids[s], mask[s], b["prompt_lens"][s])
+                            out = train_critic(ids[s], mask[s], b["prompt_lens"][s])
                         loss, st = value.critic_loss(critic, out, b["val"][s], b["ret"][s], b["reward"][s], b["act"][s], cfg.value_clip)
-                        if torch.isfinite(loss):
-                            (loss * share).backward()
-                            critic_stats.append(st)
-                        else:
-                            nonfinite += 1
+                        nonfinite += accumulate(loss * share, st, critic_stats)
                 for model, optim, scheduler in steppers:
                     if model is policy and not move_policy:
                         continue
@@ -417,16 +486,13 @@ def main(cfg: Config):
 
         # 8. log, evaluate, checkpoint
         row = {"iteration": it, "train_reward": sum(ep.reward for ep in episodes) / len(episodes)}
-        if it % cfg.eval_every == 0 or it == cfg.iterations:
-            row["eval_accuracy"] = evaluate(it)
         mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)
         row.update({k: mean(stats, k) for k in ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio") if stats})
         row.update({k: mean(critic_stats, k) for k in ("value_loss", "value_clipfrac") if critic_stats})
         row["skipped_batches"] = int(sum(s["skipped"] for s in stats))
         row["nonfinite_skips"] = nonfinite
-        if nonfinite:
-            tqdm.write(f"warning: iteration {it}: skipped {nonfinite} non-finite losses or gradients")
         row["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+        row["episodes"] = len(episodes)
         row["response_tokens"] = sum(len(ep.response_ids) for ep in episodes) / len(episodes)
         row["mc_states"] = n_states
         row["tokens_generated"] = sum(len(ep.response_ids) for ep in episodes) + mc_tokens
@@ -434,9 +500,18 @@ def main(cfg: Config):
         row.update(diagnostics)
         row.update(times)
         row["seconds"] = time.time() - t0
+        row = merge_rows(gather(row))
+        row["prompts"] = len(set().union(*gather(picked[rank::world])))  # distinct problems over all processes
+        if it % cfg.eval_every == 0 or it == cfg.iterations:
+            row["eval_accuracy"] = evaluate(it)
+        if row["nonfinite_skips"] and main_process:
+            tqdm.write(f"warning: iteration {it}: skipped {row['nonfinite_skips']} non-finite losses or gradients")
         log(row)
         if it % cfg.save_every == 0 or it == cfg.iterations:
             checkpoint(it)
+    if world > 1:
+        dist.destroy_process_group()
+    return policy
 
 
 if __name__ == "__main__":
