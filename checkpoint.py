@@ -43,17 +43,22 @@ def load_model(name: str, device, trust_remote_code: bool = False):
     return tok, model
 
 
-def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None, name: str = "checkpoint"):
+def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None, name: str = "checkpoint",
+                    weights: list | None = None):
     """Write OUT/name atomically: build it in a temporary directory, then swap it in; the previous
     one is removed only once the new one is complete. safetensors weights (save_pretrained), the
-    critic in name/critic (backbone + value_head.pt), and trainer_state.pt for --resume."""
+    critic in name/critic (backbone + value_head.pt), and trainer_state.pt for --resume.
+    weights: [policy, critic] full state dicts, for models sharded over processes (FSDP)."""
     final, tmp, old = (os.path.join(out, name + suffix) for suffix in ("", ".tmp", ".old"))
+    policy_weights, critic_weights = weights or (None, None)
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
+    policy.save_pretrained(tmp, state_dict=policy_weights)
     tok.save_pretrained(tmp)
     if critic is not None:
-        critic.backbone.save_pretrained(os.path.join(tmp, "critic"))
-        torch.save({"head": critic.head_type, "state": critic.head.state_dict()}, os.path.join(tmp, "critic", "value_head.pt"))
+        critic_weights = critic_weights or critic.state_dict()
+        part = lambda prefix: {k[len(prefix):]: v for k, v in critic_weights.items() if k.startswith(prefix)}
+        critic.backbone.save_pretrained(os.path.join(tmp, "critic"), state_dict=part("backbone."))
+        torch.save({"head": critic.head_type, "state": part("head.")}, os.path.join(tmp, "critic", "value_head.pt"))
     if state is not None:
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(final):

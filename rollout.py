@@ -103,8 +103,9 @@ def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top
     """HF `generate` on from fork()'s output: [n, new_tokens] new ids (temperature 0 = greedy)."""
     # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    # synced_gpus=False: each process decodes on its own (with FSDP, HF would lock processes in step)
     out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=new_tokens,
-                         eos_token_id=eos_id, pad_token_id=pad_id, **sampling)
+                         eos_token_id=eos_id, pad_token_id=pad_id, synced_gpus=False, **sampling)
     return out[:, ids.shape[1]:]
 
 

@@ -462,17 +462,20 @@ def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
         assert critic.head_type == {"ppo": "scalar", "tppo": "tracking"}[algo]
 
 
-@pytest.mark.parametrize("algo", ["vineppo", "ppo"])
-def test_torchrun_two_processes_stay_in_sync(tmp_path, algo):
-    """torchrun --nproc_per_node 2 on CPU (gloo), SFT and 2 iterations: afterwards both processes
-    hold identical weights, which moved, and every iteration's metrics count each prompt once."""
+@pytest.mark.parametrize("algo, shard", [("vineppo", []), ("ppo", ["--fsdp"])])
+def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
+    """torchrun --nproc_per_node 2 on CPU (gloo), SFT and 2 iterations, with DDP or FSDP: afterwards
+    both processes hold identical weights, which moved, and every iteration's metrics count each
+    prompt once."""
     out = tmp_path / "out"
     script = tmp_path / "run.py"  # train.py's main, then each process saves the weights it holds
     script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\nimport train\n"
-                      "policy = train.main(train.parse_args(sys.argv[1:]))\n"
-                      f"torch.save(policy.state_dict(), os.path.join({str(out)!r}, 'rank' + os.environ['RANK'] + '.pt'))\n")
+                      "import parallel\npolicy = train.main(train.parse_args(sys.argv[1:]))\n"
+                      "weights = parallel.full_state_dict(policy)\n"  # FSDP: all shards gathered
+                      f"torch.save(weights, os.path.join({str(out)!r}, 'rank' + os.environ['RANK'] + '.pt'))\n"
+                      "parallel.close()\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(script), "--algo", algo, "--out", str(out), *SMALL], cwd=HERE,
+                        str(script), "--algo", algo, "--out", str(out), *SMALL, *shard], cwd=HERE,
                        env={**OFFLINE, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     w0, w1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
@@ -484,6 +487,12 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo):
     assert [row["iteration"] for row in rows] == [0, 1, 2]
     for row in rows[1:]:  # 4 prompts x 2 samples per iteration, split 2 + 2 over the processes
         assert row["prompts"] == 4 and row["episodes"] == 8 and "eval_accuracy" in row
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        os.path.join(HERE, "train.py"), "--algo", algo, "--out", str(out), *SMALL, *shard,
+                        "--iterations", "3", "--resume"], cwd=HERE, env={**OFFLINE, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]  # optimizer states (FSDP: gathered, then re-sharded) and RNG reloaded
+    assert [json.loads(line)["iteration"] for line in open(out / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
 def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):

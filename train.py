@@ -21,10 +21,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+import parallel
 import ppo
 import rollout
 import value
@@ -84,6 +83,7 @@ class Config:
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'")
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: only transformers' own architectures)")
+    fsdp: bool = arg(False, "under torchrun: shard policy and critic (weights, gradients, AdamW) with FSDP2, not DDP")
 
 
 # The offline demo (--model tiny), in one place: a 0.9M-parameter model, SFT from scratch on
@@ -181,53 +181,15 @@ def optimizer_step(model, optim, scheduler, max_norm: float = 1.0) -> float | No
     return norm if math.isfinite(norm) else None
 
 
-# ---- several processes (torchrun): each one a share of the prompts, DDP for the update ----
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over processes, in place; the identity in a single process."""
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t
-
-
-def gather(obj) -> list:
-    """Every process's obj, on every process ([obj] in a single process)."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def merge_rows(rows: list[dict]) -> dict:
-    """Per-process metric rows -> one: counts summed, times of the slowest process, the rest
-    averaged (every process holds an equal share of the episodes)."""
-    merged = {}
-    for key in rows[0]:
-        vals = [r[key] for r in rows]
-        if key in ("episodes", "mc_states", "tokens_generated", "skipped_batches", "nonfinite_skips"):
-            merged[key] = sum(vals)
-        elif key.startswith("time_") or key == "seconds":
-            merged[key] = max(vals)
-        else:
-            merged[key] = vals[0] if len(set(vals)) == 1 else sum(vals) / len(vals)
-    return merged
-
-
 # ---- main ---------------------------------------------------------------------------------
 
 def main(cfg: Config):
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     on_gpu = device.type == "cuda"
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1:  # started by torchrun: one process per GPU (gloo on CPUs)
-        if on_gpu:
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
-        for name in ("prompts_per_iter", "minibatch"):
-            if getattr(cfg, name) % world:
-                raise DataError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be divisible by the {world} processes")
+    rank, world, device = parallel.init(device)  # torchrun: one process per GPU; else rank 0 of 1
+    for name in ("prompts_per_iter", "minibatch"):
+        if getattr(cfg, name) % world:
+            raise DataError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be divisible by the {world} processes")
     main_process = rank == 0
     random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)  # processes sample different responses
@@ -248,7 +210,7 @@ def main(cfg: Config):
     resume_from, state = last_checkpoint(cfg.out) if cfg.resume else None, None
     if resume_from:
         state = torch.load(os.path.join(resume_from, "trainer_state.pt"), weights_only=True)
-        for key in ("model", "data", "algo", "value_head"):
+        for key in ("model", "data", "algo", "value_head", "fsdp"):
             if state["config"][key] != getattr(cfg, key):
                 raise DataError(f"--resume: {resume_from} was written with --{key.replace('_', '-')} "
                                 f"{state['config'][key]!r}, not {getattr(cfg, key)!r}")
@@ -259,8 +221,7 @@ def main(cfg: Config):
         name = os.path.join(cfg.out, "tiny-init")
         if not resume_from and main_process:
             build_tiny_model(name, cfg.seed)
-        if world > 1:
-            dist.barrier()
+        parallel.barrier()  # the others wait until it is written
     tok, policy = load_model(resume_from or name, device, cfg.trust_remote_code)
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)  # token id -> text
@@ -274,7 +235,7 @@ def main(cfg: Config):
         return gsm8k_reward(tok.decode(response_ids, skip_special_tokens=True), ep.gold)
 
     def sample_episodes(problems, k, temperature):
-        with autocast:
+        with autocast, parallel.whole(policy):
             conts, done = rollout.sample(policy, [p["prompt_ids"] for p in problems], k, [cfg.max_new_tokens] * len(problems),
                                          **{**gen, "temperature": temperature})
         eps = [rollout.Episode(p["prompt_ids"], c, p["answer"], g, f)
@@ -291,16 +252,19 @@ def main(cfg: Config):
                     f.write(json.dumps({"iteration": iteration, "prompt": tok.decode(ep.prompt_ids, skip_special_tokens=True),
                                         "response": tok.decode(ep.response_ids, skip_special_tokens=True),
                                         "gold": ep.gold, "reward": ep.reward}) + "\n")
-        correct, count = all_reduce_sum(torch.tensor([sum(ep.reward for ep in eps), len(eps)], dtype=torch.float64, device=device))
+        correct, count = parallel.all_reduce_sum(torch.tensor([sum(ep.reward for ep in eps), len(eps)], dtype=torch.float64, device=device))
         return (correct / count).item()
 
-    def ddp(model):  # gradients averaged over processes at every backward; the same model when alone
-        return DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None) if world > 1 else model
+    # frozen reference = the starting policy (after SFT, below); the critic (PPO / TPPO) = its backbone + a value head
+    if resume_from:
+        ref = load_model(os.path.join(cfg.out, "reference") if cfg.sft_steps else name, device, cfg.trust_remote_code)[1]
+    else:
+        ref = copy.deepcopy(policy)
 
     # ---- SFT warm start on the gold solutions (reference §3.3 format) ----
     if cfg.sft_steps and not resume_from:
+        rng, sft_model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
         sft_opt = torch.optim.AdamW(policy.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-        rng, sft_model = random.Random(cfg.seed), ddp(policy)
         for step in tqdm(range(cfg.sft_steps), desc="sft", disable=not main_process):
             batch = rng.sample(train_set, min(cfg.sft_batch, len(train_set)))[rank::world]
             targets = [tok(sft_target(p.get("demonstration", p["answer"])), add_special_tokens=False).input_ids + [eos]
@@ -318,21 +282,19 @@ def main(cfg: Config):
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             sft_opt.step()
         del sft_opt, sft_model
+        ref.load_state_dict(parallel.full_state_dict(policy))
         if main_process:
-            save_checkpoint(cfg.out, policy, tok, name="reference")  # resumed runs reload it
-
-    # frozen reference = the starting policy; the critic (PPO / TPPO) = its backbone + a value head
-    if resume_from:
-        ref = load_model(os.path.join(cfg.out, "reference") if cfg.sft_steps else name, device, cfg.trust_remote_code)[1]
-    else:
-        ref = copy.deepcopy(policy)
-    ref.eval().requires_grad_(False)
-    if on_gpu:
-        ref.to(torch.bfloat16)
+            save_checkpoint(cfg.out, ref, tok, name="reference")  # resumed runs reload it
     critic = None
     if cfg.algo in ("ppo", "tppo"):
         critic = load_critic(resume_from, device) if resume_from else \
-            value.Critic(copy.deepcopy(policy.base_model), cfg.value_head).to(device)
+            value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
+    ref.eval().requires_grad_(False)
+    if on_gpu:
+        ref.to(torch.bfloat16)
+    # the modules the update calls: DDP wrappers, or (--fsdp) policy and critic sharded in place
+    train_policy, train_critic = parallel.wrap(policy, cfg.fsdp, device), (
+        parallel.wrap(critic, cfg.fsdp, device) if critic is not None else None)
     steps_per_iter = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
     total = cfg.iterations * steps_per_iter
     warmup = int(cfg.warmup * total)
@@ -343,8 +305,8 @@ def main(cfg: Config):
     sched = steppers[0][2]
     start = 1
     if state is not None:  # continue exactly where the checkpoint left off
-        for (_, optim, scheduler), saved in zip(steppers, state["optimizers"]):
-            optim.load_state_dict(saved["optimizer"])
+        for (model, optim, scheduler), saved in zip(steppers, state["optimizers"]):
+            parallel.load_optimizer_state(model, optim, saved["optimizer"])
             scheduler.load_state_dict(saved["scheduler"])
         start = state["iteration"] + 1
         if len(state["rng"]) == world:  # one random state per process
@@ -358,7 +320,6 @@ def main(cfg: Config):
     elif main_process:
         for path in (metrics_path, samples_path):
             open(path, "w").close()
-    train_policy, train_critic = ddp(policy), ddp(critic) if critic is not None else None
 
     def accumulate(loss, stats: dict, into: list) -> bool:
         """Backward of one micro-batch's loss, unless it is not finite (it would corrupt the weights):
@@ -372,11 +333,12 @@ def main(cfg: Config):
         return not finite
 
     def checkpoint(iteration: int):  # the same on every process; the first one writes
-        optimizers = [{"optimizer": o.state_dict(), "scheduler": s.state_dict()} for _, o, s in steppers]
-        rngs = gather(rng_state())
+        optimizers = [{"optimizer": parallel.optimizer_state(m, o), "scheduler": s.state_dict()} for m, o, s in steppers]
+        weights = [parallel.full_state_dict(m) if m is not None else None for m in (policy, critic)]
+        rngs = parallel.gather(rng_state())
         if main_process:
             save_checkpoint(cfg.out, policy, tok, {"iteration": iteration, "config": dataclasses.asdict(cfg),
-                                                   "optimizers": optimizers, "rng": rngs}, critic)
+                                                   "optimizers": optimizers, "rng": rngs}, critic, weights=weights)
 
     def log(row: dict):
         if main_process:
@@ -403,22 +365,23 @@ def main(cfg: Config):
         #    same forward pass's KV cache, or the critic's V(s_t) for PPO/TPPO (GRPO needs none)
         t = time.time()
         n_states, mc_tokens = 0, 0
-        for chunk in tqdm(list(group_chunks(episodes, cfg.forward_batch_tokens)), desc=f"values {it}", leave=False,
-                          disable=not main_process):
-            ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad, device)
-            with torch.no_grad(), autocast:
-                logp, cache = rollout.token_logprobs(policy, ids, mask, cfg.temperature, keep_cache=cfg.algo == "vineppo")
-                if cfg.algo == "vineppo":
-                    s, n = vine.mc_values(policy, chunk, cache, list(range(len(chunk))), cfg.mc_rollouts, grade,
-                                          max_new_tokens=cfg.max_new_tokens, max_states=cfg.max_value_states, **gen)
-                    n_states, mc_tokens = n_states + s, mc_tokens + n
-                if critic is not None:
-                    prompt_lens = torch.tensor([len(ep.prompt_ids) for ep in chunk], device=device)
-                    for ep, v in zip(chunk, per_response(critic.values(ids, mask, prompt_lens), chunk)):
-                        ep.old_values = v
-            for ep, lp in zip(chunk, per_response(logp, chunk)):
-                ep.old_logp = lp
-            del cache
+        with parallel.whole(policy, critic):  # processes run different numbers of passes here
+            for chunk in tqdm(list(group_chunks(episodes, cfg.forward_batch_tokens)), desc=f"values {it}", leave=False,
+                              disable=not main_process):
+                ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad, device)
+                with torch.no_grad(), autocast:
+                    logp, cache = rollout.token_logprobs(policy, ids, mask, cfg.temperature, keep_cache=cfg.algo == "vineppo")
+                    if cfg.algo == "vineppo":
+                        s, n = vine.mc_values(policy, chunk, cache, list(range(len(chunk))), cfg.mc_rollouts, grade,
+                                              max_new_tokens=cfg.max_new_tokens, max_states=cfg.max_value_states, **gen)
+                        n_states, mc_tokens = n_states + s, mc_tokens + n
+                    if critic is not None:
+                        prompt_lens = torch.tensor([len(ep.prompt_ids) for ep in chunk], device=device)
+                        for ep, v in zip(chunk, per_response(critic.values(ids, mask, prompt_lens), chunk)):
+                            ep.old_values = v
+                for ep, lp in zip(chunk, per_response(logp, chunk)):
+                    ep.old_logp = lp
+                del cache
         # 5. advantages
         rewards = torch.tensor([ep.reward for ep in episodes])
         if cfg.algo == "vineppo":  # step advantages broadcast to tokens (VinePPO §4)
@@ -462,7 +425,7 @@ def main(cfg: Config):
                            disable=not main_process):
                 batch = [episodes[i] for i in order[lo: lo + cfg.minibatch // world]]
                 ids, mask, b = collate(batch, pad, device)
-                adv = ppo.masked_whiten(b["adv"], b["act"], all_reduce=all_reduce_sum)  # over all processes' shares
+                adv = ppo.masked_whiten(b["adv"], b["act"], all_reduce=parallel.all_reduce_sum)  # over all processes' shares
                 for m in range(0, len(batch), cfg.micro_batch):
                     s, share = slice(m, m + cfg.micro_batch), ids[m: m + cfg.micro_batch].shape[0] / len(batch)
                     if move_policy:
@@ -500,8 +463,8 @@ def main(cfg: Config):
         row.update(diagnostics)
         row.update(times)
         row["seconds"] = time.time() - t0
-        row = merge_rows(gather(row))
-        row["prompts"] = len(set().union(*gather(picked[rank::world])))  # distinct problems over all processes
+        row = parallel.merge_rows(parallel.gather(row))
+        row["prompts"] = len(set().union(*parallel.gather(picked[rank::world])))  # distinct problems over all processes
         if it % cfg.eval_every == 0 or it == cfg.iterations:
             row["eval_accuracy"] = evaluate(it)
         if row["nonfinite_skips"] and main_process:
@@ -509,8 +472,6 @@ def main(cfg: Config):
         log(row)
         if it % cfg.save_every == 0 or it == cfg.iterations:
             checkpoint(it)
-    if world > 1:
-        dist.destroy_process_group()
     return policy
 
 
@@ -518,6 +479,7 @@ if __name__ == "__main__":
     cfg = parse_args()
     try:
         main(cfg)
+        parallel.close()
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

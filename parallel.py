@@ -1,0 +1,119 @@
+"""Several processes under torchrun, with PyTorch's own engines: each process samples its share
+of the prompts, and the update runs under DistributedDataParallel (gradients averaged at every
+backward) or, with --fsdp, FSDP2's fully_shard (weights, gradients and AdamW states sharded).
+In a single process every function here is the identity or a plain call.
+"""
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+
+def init(device: torch.device):
+    """(rank, world size, device) of this process; joins the process group when torchrun started it
+    (NCCL and one GPU per process, or gloo on CPUs)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return rank, world, device
+
+
+def close():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over processes, in place."""
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def gather(obj) -> list:
+    """Every process's obj, on every process."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def merge_rows(rows: list[dict]) -> dict:
+    """Per-process metric rows -> one: counts summed, times of the slowest process, the rest
+    averaged (every process holds an equal share of the episodes)."""
+    merged = {}
+    for key in rows[0]:
+        vals = [r[key] for r in rows]
+        if key in ("episodes", "mc_states", "tokens_generated", "skipped_batches", "nonfinite_skips"):
+            merged[key] = sum(vals)
+        elif key.startswith("time_") or key == "seconds":
+            merged[key] = max(vals)
+        else:
+            merged[key] = vals[0] if len(set(vals)) == 1 else sum(vals) / len(vals)
+    return merged
+
+
+def wrap(model, fsdp: bool, device):
+    """The module the update calls: DDP around the model, or (fsdp) the model itself, sharded in
+    place one decoder layer at a time and then the rest. Build optimizers after this."""
+    if not dist.is_initialized() or isinstance(model, FSDPModule):
+        return model
+    if not fsdp:
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    for layer in model.modules():
+        if type(layer).__name__.endswith("DecoderLayer"):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+@contextmanager
+def whole(*models):
+    """FSDP: hold the full weights while processes run different numbers of forward passes
+    (sampling, MC values): sharded modules would wait on each other's all-gathers."""
+    shards = [m for model in models if model is not None for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in shards:
+        m.unshard()
+        m.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in shards:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
+def full_state_dict(model) -> dict:
+    """The whole model's weights on every process (an FSDP model's shards gathered)."""
+    if isinstance(model, FSDPModule):
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return model.state_dict()
+
+
+def optimizer_state(model, optim) -> dict:
+    """What --resume needs of an optimizer; for FSDP the full state, gathered on the first process."""
+    if isinstance(model, FSDPModule):
+        return get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optim.state_dict()
+
+
+def load_optimizer_state(model, optim, saved: dict):
+    if isinstance(model, FSDPModule):
+        set_optimizer_state_dict(model, optim, saved, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        optim.load_state_dict(saved)
