@@ -27,8 +27,7 @@ import torch
 import rollout
 import vine
 from checkpoint import load_critic, load_model
-from reward import gsm8k_reward, load_problems
-from train import encode_prompt
+from reward import encode_prompt, gsm8k_reward, load_problems
 
 
 def pairwise_accuracy(groups) -> float:

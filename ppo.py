@@ -5,7 +5,11 @@ normalisation for GRPO. VinePPO's Monte Carlo advantages are in vine.py.
 Shapes: every tensor is [B, L-1], aligned with the actions: position t holds the log-prob,
 advantage, ... of token t+1 (reference pitfall 6); `mask` is 1 on response tokens.
 """
+import math
+
 import torch
+
+import rollout
 
 
 def masked_mean(x, mask, dim=None):
@@ -87,3 +91,47 @@ def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: fl
                  "clipfrac": masked_mean(((ratio - 1).abs() > clip).float(), mask).item(),
                  "approx_kl": masked_mean(ratio - 1 - log_ratio, mask).item(), "skipped": float(skipped)}
     return loss, stats
+
+
+# ---- batching and stepping the update ----
+
+def collate(episodes, pad_id, device):
+    """Right-padded ids [B, L], attention mask, and [B, L-1] action-aligned tensors: action mask
+    "act" and the episodes' per-token arrays (old/ref log-probs, advantages, critic values, returns)."""
+    ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id, device)
+    fields = {"old": "old_logp", "ref": "ref_logp", "adv": "advantages", "val": "old_values", "ret": "returns"}
+    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ["act", *fields]}
+    for i, ep in enumerate(episodes):
+        s = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
+        out["act"][i, s] = 1
+        for k, name in fields.items():
+            if getattr(ep, name) is not None:
+                out[k][i, s] = getattr(ep, name).to(device)
+    out["reward"] = torch.tensor([ep.reward for ep in episodes], device=device)
+    out["prompt_lens"] = torch.tensor([len(ep.prompt_ids) for ep in episodes], device=device)
+    return ids, mask, out
+
+
+def padded(rows: list[torch.Tensor]):
+    """[N, T] right-padded stack of 1-D tensors and its mask."""
+    mask = [torch.ones(len(r)) for r in rows]
+    pad = torch.nn.utils.rnn.pad_sequence
+    return pad(rows, batch_first=True), pad(mask, batch_first=True)
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """DeepSpeed WarmupDecayLR as the reference runs it: log-shaped warm-up, then linear decay to 0."""
+    if step < warmup:
+        return math.log(step + 1) / math.log(warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def optimizer_step(model, optim, scheduler, max_norm: float = 1.0) -> float | None:
+    """Clip the gradient norm to max_norm and step. A non-finite gradient skips the step and
+    keeps the weights as they were; returns the norm, or None when skipped."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+    if math.isfinite(norm):
+        optim.step()
+        scheduler.step()
+    optim.zero_grad()
+    return norm if math.isfinite(norm) else None

@@ -52,7 +52,7 @@ def arith_problem(rng: random.Random, min_steps: int, max_steps: int, slip: floa
     'demonstration' is the worked solution used for SFT: with probability `slip` a line's result
     is off by one and the chain goes on from there, like a careless human demonstrator. Grading
     always uses the correct 'answer', so RL has careless steps to find and remove."""
-    start = total = sloppy = rng.randint(1, 9)
+    total = sloppy = rng.randint(1, 9)
     question, lines, demo = str(total), [], []
     for _ in range(rng.randint(min_steps, max_steps)):
         x = rng.randint(1, 9)
@@ -119,3 +119,8 @@ def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, sli
         rows = load_dataset("openai/gsm8k", "main", split=split)
         return [check_problem(r, f"openai/gsm8k[{split}][{i}]") for i, r in enumerate(rows)]
     raise DataError(f"--data {data!r}: expected 'arith', 'gsm8k' or a path ending in .jsonl")
+
+
+def encode_prompt(tok, question: str) -> list[int]:
+    ids = tok(PROMPT.format(question=question.strip()), add_special_tokens=False).input_ids
+    return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids

@@ -1,9 +1,9 @@
 """Sampling with HF `generate`, per-token log-probs, and KV-cache prefix forking.
 
-A text environment can be reset to any prefix (VinePPO §3). Here that reset costs nothing
-but a gather: the forward pass over whole trajectories already holds the keys/values of
-every prefix, so a state is forked by cropping that cache at the state's boundary,
-repeating it K times and decoding on from there. Many states of many trajectories are
+A text environment can be reset to any prefix (VinePPO §3). Here that reset costs one copy:
+the forward pass over whole trajectories already holds the keys/values of every prefix, so a
+state is forked by copying that cache up to the state's boundary, K times, into buffers with
+room for the continuation, and decoding on from there. Many states of many trajectories are
 forked together: their prefixes are right-aligned (left padding inside the cache), the
 attention mask hides the padding, and `generate` derives positions from the mask.
 """
@@ -121,6 +121,8 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
     together in batches of at most max_batch_tokens (rows x (prefix + budget)).
     Returns (continuations, finished): for each prefix, k lists of new ids (EOS kept) and k
     flags, True when EOS came within the budget."""
+    if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
+        return [], []
     device = next(model.parameters()).device
     gen = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id, max_batch_tokens=max_batch_tokens)
     if cache is None:  # encode the prefixes, once each, in groups that fit the budget; then fork
@@ -155,3 +157,24 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
                 done[j].append(bool(seq) and seq[-1] == eos_id)
     model.train(was_training)
     return conts, done
+
+
+def group_chunks(episodes, max_tokens: int):
+    """Consecutive episodes in batches of about max_tokens, never splitting one prompt's samples,
+    so that identical states (which only share a prompt) meet in one batch."""
+    chunk, width = [], 0
+    for ep in episodes:
+        length = len(ep.prompt_ids) + len(ep.response_ids)
+        if chunk and ep.group != chunk[-1].group and max(width, length) * (len(chunk) + 1) > max_tokens:
+            yield chunk
+            chunk, width = [], 0
+        chunk.append(ep)
+        width = max(width, length)
+    if chunk:
+        yield chunk
+
+
+def per_response(logp, episodes):
+    """Row slices of a [B, L-1] tensor -> one [T] tensor per episode (its response tokens)."""
+    return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
+            for i, ep in enumerate(episodes)]

@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 import checkpoint
 import ppo
 import rollout
-import train
 import value
 import vine
 from reward import DataError, arith_dataset, extract_answer, gsm8k_reward, read_jsonl, sft_target
@@ -344,18 +343,18 @@ def test_optimizer_step_skips_nonfinite_gradients():
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
     (model(torch.tensor([[float("nan"), 1.0]])).sum()).backward()
-    assert train.optimizer_step(model, optim, sched) is None
+    assert ppo.optimizer_step(model, optim, sched) is None
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     (model(torch.tensor([[3.0, 4.0]])).sum() * 10).backward()
-    assert train.optimizer_step(model, optim, sched, max_norm=1.0) == pytest.approx(10 * math.sqrt(26))
+    assert ppo.optimizer_step(model, optim, sched, max_norm=1.0) == pytest.approx(10 * math.sqrt(26))
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_lr_schedule():
-    assert train.lr_factor(0, 100, 10) == 0.0
-    assert train.lr_factor(9, 100, 10) == pytest.approx(1.0)
-    assert train.lr_factor(55, 100, 10) == pytest.approx(0.5)
-    assert train.lr_factor(100, 100, 10) == 0.0
+    assert ppo.lr_factor(0, 100, 10) == 0.0
+    assert ppo.lr_factor(9, 100, 10) == pytest.approx(1.0)
+    assert ppo.lr_factor(55, 100, 10) == pytest.approx(0.5)
+    assert ppo.lr_factor(100, 100, 10) == 0.0
 
 
 # ---- value diagnostics --------------------------------------------------------------------

@@ -30,7 +30,7 @@ import value
 import vine
 from checkpoint import (ALIASES, build_tiny_model, last_checkpoint, load_critic, load_model, rng_state,
                         save_checkpoint, set_rng_state, truncate_jsonl)
-from reward import PROMPT, DataError, gsm8k_reward, load_problems, sft_target
+from reward import DataError, encode_prompt, gsm8k_reward, load_problems, sft_target
 
 
 def arg(default, help):
@@ -109,76 +109,6 @@ def parse_args(argv=None) -> Config:
     if cfg.algo in ("ppo", "tppo") and cfg.value_head not in value.HEADS:
         p.error(f"--value-head {cfg.value_head!r}: expected one of {', '.join(value.HEADS)}")
     return cfg
-
-
-# ---- helpers ------------------------------------------------------------------------------
-
-def encode_prompt(tok, question: str) -> list[int]:
-    ids = tok(PROMPT.format(question=question.strip()), add_special_tokens=False).input_ids
-    return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
-
-
-def group_chunks(episodes, max_tokens: int):
-    """Consecutive episodes in batches of about max_tokens, never splitting one prompt's samples,
-    so that identical states (which only share a prompt) meet in one batch."""
-    chunk, width = [], 0
-    for ep in episodes:
-        length = len(ep.prompt_ids) + len(ep.response_ids)
-        if chunk and ep.group != chunk[-1].group and max(width, length) * (len(chunk) + 1) > max_tokens:
-            yield chunk
-            chunk, width = [], 0
-        chunk.append(ep)
-        width = max(width, length)
-    if chunk:
-        yield chunk
-
-
-def per_response(logp, episodes):
-    """Row slices of a [B, L-1] tensor -> one [T] tensor per episode (its response tokens)."""
-    return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
-            for i, ep in enumerate(episodes)]
-
-
-def collate(episodes, pad_id, device):
-    """Right-padded ids [B, L], attention mask, and [B, L-1] action-aligned tensors: action mask
-    "act" and the episodes' per-token arrays (old/ref log-probs, advantages, critic values, returns)."""
-    ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id, device)
-    fields = {"old": "old_logp", "ref": "ref_logp", "adv": "advantages", "val": "old_values", "ret": "returns"}
-    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ["act", *fields]}
-    for i, ep in enumerate(episodes):
-        s = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
-        out["act"][i, s] = 1
-        for k, name in fields.items():
-            if getattr(ep, name) is not None:
-                out[k][i, s] = getattr(ep, name).to(device)
-    out["reward"] = torch.tensor([ep.reward for ep in episodes], device=device)
-    out["prompt_lens"] = torch.tensor([len(ep.prompt_ids) for ep in episodes], device=device)
-    return ids, mask, out
-
-
-def padded(rows: list[torch.Tensor]):
-    """[N, T] right-padded stack of 1-D tensors and its mask."""
-    mask = [torch.ones(len(r)) for r in rows]
-    pad = torch.nn.utils.rnn.pad_sequence
-    return pad(rows, batch_first=True), pad(mask, batch_first=True)
-
-
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    """DeepSpeed WarmupDecayLR as the reference runs it: log-shaped warm-up, then linear decay to 0."""
-    if step < warmup:
-        return math.log(step + 1) / math.log(warmup)
-    return max(0.0, (total - step) / max(1, total - warmup))
-
-
-def optimizer_step(model, optim, scheduler, max_norm: float = 1.0) -> float | None:
-    """Clip the gradient norm to max_norm and step. A non-finite gradient skips the step and
-    keeps the weights as they were; returns the norm, or None when skipped."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-    if math.isfinite(norm):
-        optim.step()
-        scheduler.step()
-    optim.zero_grad()
-    return norm if math.isfinite(norm) else None
 
 
 # ---- main ---------------------------------------------------------------------------------
@@ -301,7 +231,7 @@ def main(cfg: Config):
     steppers = []  # (model, optimizer, schedule): AdamW state and one LR schedule kept across iterations
     for model, lr in [(policy, cfg.lr)] + ([(critic, cfg.critic_lr)] if critic is not None else []):
         optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-        steppers.append((model, optim, torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(s, total, warmup))))
+        steppers.append((model, optim, torch.optim.lr_scheduler.LambdaLR(optim, lambda s: ppo.lr_factor(s, total, warmup))))
     sched = steppers[0][2]
     start = 1
     if state is not None:  # continue exactly where the checkpoint left off
@@ -366,7 +296,7 @@ def main(cfg: Config):
         t = time.time()
         n_states, mc_tokens = 0, 0
         with parallel.whole(policy, critic):  # processes run different numbers of passes here
-            for chunk in tqdm(list(group_chunks(episodes, cfg.forward_batch_tokens)), desc=f"values {it}", leave=False,
+            for chunk in tqdm(list(rollout.group_chunks(episodes, cfg.forward_batch_tokens)), desc=f"values {it}", leave=False,
                               disable=not main_process):
                 ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad, device)
                 with torch.no_grad(), autocast:
@@ -377,9 +307,9 @@ def main(cfg: Config):
                         n_states, mc_tokens = n_states + s, mc_tokens + n
                     if critic is not None:
                         prompt_lens = torch.tensor([len(ep.prompt_ids) for ep in chunk], device=device)
-                        for ep, v in zip(chunk, per_response(critic.values(ids, mask, prompt_lens), chunk)):
+                        for ep, v in zip(chunk, rollout.per_response(critic.values(ids, mask, prompt_lens), chunk)):
                             ep.old_values = v
-                for ep, lp in zip(chunk, per_response(logp, chunk)):
+                for ep, lp in zip(chunk, rollout.per_response(logp, chunk)):
                     ep.old_logp = lp
                 del cache
         # 5. advantages
@@ -393,7 +323,7 @@ def main(cfg: Config):
             for ep, a in zip(episodes, adv):
                 ep.advantages = torch.full((len(ep.response_ids),), a.item())
         else:  # PPO / TPPO: GAE on the critic's values, the reward on the last token
-            values, mask = padded([ep.old_values for ep in episodes])
+            values, mask = ppo.padded([ep.old_values for ep in episodes])
             last = mask.sum(1).long() - 1
             token_rewards = torch.zeros_like(values).index_put_((torch.arange(len(episodes)), last), rewards)
             adv, _ = ppo.gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
@@ -405,11 +335,11 @@ def main(cfg: Config):
 
         # 6. reference log-probs, once per iteration
         t = time.time()
-        for chunk in group_chunks(episodes, cfg.forward_batch_tokens):
+        for chunk in rollout.group_chunks(episodes, cfg.forward_batch_tokens):
             ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad, device)
             with torch.no_grad(), autocast:
                 logp, _ = rollout.token_logprobs(ref, ids, mask, cfg.temperature)
-            for ep, lp in zip(chunk, per_response(logp, chunk)):
+            for ep, lp in zip(chunk, rollout.per_response(logp, chunk)):
                 ep.ref_logp = lp
         times["time_logprobs"] = time.time() - t
 
@@ -424,7 +354,7 @@ def main(cfg: Config):
             for lo in tqdm(range(0, len(order), cfg.minibatch // world), desc=f"update {it}.{epoch}", leave=False,
                            disable=not main_process):
                 batch = [episodes[i] for i in order[lo: lo + cfg.minibatch // world]]
-                ids, mask, b = collate(batch, pad, device)
+                ids, mask, b = ppo.collate(batch, pad, device)
                 adv = ppo.masked_whiten(b["adv"], b["act"], all_reduce=parallel.all_reduce_sum)  # over all processes' shares
                 for m in range(0, len(batch), cfg.micro_batch):
                     s, share = slice(m, m + cfg.micro_batch), ids[m: m + cfg.micro_batch].shape[0] / len(batch)
@@ -441,7 +371,7 @@ def main(cfg: Config):
                 for model, optim, scheduler in steppers:
                     if model is policy and not move_policy:
                         continue
-                    norm = optimizer_step(model, optim, scheduler)
+                    norm = ppo.optimizer_step(model, optim, scheduler)
                     nonfinite += norm is None
                     if model is policy and norm is not None:
                         grad_norms.append(norm)
