@@ -138,6 +138,7 @@ def main():
                 ranking[name].append(([r["gt"] for r in q], [r[name] for r in q]))
 
     out = a.out or os.path.dirname(os.path.abspath(a.checkpoint))
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "diagnose.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     noise = {k: statistics.mean(math.sqrt(r["gt"] * (1 - r["gt"]) / k) for r in rows) for k in ks}
