@@ -74,7 +74,7 @@ def load_critic(checkpoint: str, device):
         return None
     from transformers import AutoModel
     import value
-    head = torch.load(os.path.join(path, "value_head.pt"), weights_only=True)
+    head = torch.load(os.path.join(path, "value_head.pt"), map_location="cpu", weights_only=True)
     critic = value.Critic(AutoModel.from_pretrained(path), head["head"])
     critic.head.load_state_dict(head["state"])
     return critic.to(device)
@@ -98,7 +98,9 @@ def truncate_jsonl(path: str, last_iteration: int):
 
 
 def rng_state() -> dict:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    """This process's random streams; CUDA: its own device only (touching every GPU from every
+    process of a torchrun job would open a context on each)."""
+    cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
     return {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda}
 
 
@@ -106,4 +108,4 @@ def set_rng_state(state: dict):
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"][0])

@@ -139,7 +139,7 @@ def main(cfg: Config):
         eval_set = eval_set[: cfg.eval_problems]
     resume_from, state = last_checkpoint(cfg.out) if cfg.resume else None, None
     if resume_from:
-        state = torch.load(os.path.join(resume_from, "trainer_state.pt"), weights_only=True)
+        state = torch.load(os.path.join(resume_from, "trainer_state.pt"), map_location="cpu", weights_only=True)
         for key in ("model", "data", "algo", "value_head", "fsdp"):
             if state["config"][key] != getattr(cfg, key):
                 raise DataError(f"--resume: {resume_from} was written with --{key.replace('_', '-')} "
