@@ -256,6 +256,30 @@ def test_masked_whiten_with_global_statistics():
     assert w[0, 2].item() == w[1, 1].item() == 0.0
 
 
+def test_merge_rows_of_several_processes():
+    import parallel
+    rows = [{"iteration": 3, "episodes": 8, "mc_states": 10, "train_reward": 0.5, "time_values": 2.0, "seconds": 5.0},
+            {"iteration": 3, "episodes": 8, "mc_states": 14, "train_reward": 0.75, "time_values": 3.0, "seconds": 4.0}]
+    assert parallel.merge_rows(rows) == {"iteration": 3, "episodes": 16, "mc_states": 24, "train_reward": 0.625,
+                                         "time_values": 3.0, "seconds": 5.0}
+    assert parallel.merge_rows(rows[:1]) == rows[0]
+
+
+def test_live_tensor_bytes_counts_the_peak():
+    """The CPU memory counter behind bench.py's peak-memory figures, on known allocations."""
+    import gc
+    import bench
+    with bench.LiveTensorBytes() as counter:
+        a = torch.zeros(1000, 1000)            # 4 MB
+        b = a + 1                              # 8 MB live
+        view = b[:10]                          # a view: no new storage
+        del a
+        gc.collect()
+        c = torch.zeros(500, 1000)             # 6 MB live
+        assert counter.live == 6_000_000 and view.shape == (10, 1000)
+    assert counter.peak == 8_000_000 and c.numel() == 500_000
+
+
 def naive_gae(rewards, values, gamma, lam):
     """The textbook per-step loop on one unpadded trajectory."""
     adv, T = [0.0] * len(rewards), len(rewards)
