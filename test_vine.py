@@ -518,6 +518,17 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
     assert [json.loads(line)["iteration"] for line in open(out / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
+def test_gradient_checkpointing_trains_policy_and_critic(tmp_path):
+    """--gradient-checkpointing reaches both models, and sampling still gets its KV cache."""
+    import train
+    cfg = train.parse_args(["--algo", "ppo", "--out", str(tmp_path), *SMALL, "--iterations", "1", "--gradient-checkpointing"])
+    policy = train.main(cfg)
+    assert policy.is_activation_checkpointing
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert rows[-1]["iteration"] == 1 and rows[-1]["mc_states"] == 0 and "value_loss" in rows[-1]
+    assert checkpoint.load_critic(str(tmp_path / "checkpoint"), "cpu") is not None
+
+
 def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):
     """The paper's code path (a from_pretrained model, GSM8K-format data, paper defaults) on a tiny model."""
     checkpoint.build_tiny_model(str(tmp_path / "model"), seed=0)

@@ -83,6 +83,8 @@ class Config:
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'")
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: only transformers' own architectures)")
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in backward: less memory, slower "
+                                       "updates (the reference runs with it)")
     fsdp: bool = arg(False, "under torchrun: shard policy and critic (weights, gradients, AdamW) with FSDP2, not DDP")
 
 
@@ -153,6 +155,8 @@ def main(cfg: Config):
             build_tiny_model(name, cfg.seed)
         parallel.barrier()  # the others wait until it is written
     tok, policy = load_model(resume_from or name, device, cfg.trust_remote_code)
+    if cfg.gradient_checkpointing:  # non-reentrant: DDP and FSDP take it; copies (ref, critic) inherit it
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)  # token id -> text
     gen = dict(temperature=cfg.temperature, top_p=cfg.top_p, eos_id=eos, pad_id=pad, max_batch_tokens=cfg.max_batch_tokens)
@@ -219,6 +223,8 @@ def main(cfg: Config):
     if cfg.algo in ("ppo", "tppo"):
         critic = load_critic(resume_from, device) if resume_from else \
             value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
+        if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
+            critic.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     ref.eval().requires_grad_(False)
     if on_gpu:
         ref.to(torch.bfloat16)
