@@ -518,15 +518,17 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
     assert [json.loads(line)["iteration"] for line in open(out / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
-def test_gradient_checkpointing_trains_policy_and_critic(tmp_path):
-    """--gradient-checkpointing reaches both models, and sampling still gets its KV cache."""
+@pytest.mark.parametrize("algo", ["vineppo", "ppo"])
+def test_gradient_checkpointing_runs(tmp_path, algo):
+    """--gradient-checkpointing reaches the policy, the critic still trains (ppo), and the MC forks
+    of the second iteration, sampled while the policy is in training mode, still get their KV cache."""
     import train
-    cfg = train.parse_args(["--algo", "ppo", "--out", str(tmp_path), *SMALL, "--iterations", "1", "--gradient-checkpointing"])
+    cfg = train.parse_args(["--algo", algo, "--out", str(tmp_path), *SMALL, "--gradient-checkpointing"])
     policy = train.main(cfg)
     assert policy.is_activation_checkpointing
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert rows[-1]["iteration"] == 1 and rows[-1]["mc_states"] == 0 and "value_loss" in rows[-1]
-    assert checkpoint.load_critic(str(tmp_path / "checkpoint"), "cpu") is not None
+    with open(tmp_path / "metrics.jsonl") as f:
+        last = [json.loads(line) for line in f][-1]
+    assert last["iteration"] == 2 and (last["mc_states"] > 0 if algo == "vineppo" else "value_loss" in last)
 
 
 def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):
