@@ -487,9 +487,9 @@ def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
 
 @pytest.mark.parametrize("algo, shard", [("vineppo", []), ("ppo", ["--fsdp"])])
 def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
-    """torchrun --nproc_per_node 2 on CPU (gloo), SFT and 2 iterations, with DDP or FSDP: afterwards
-    both processes hold identical weights, which moved, and every iteration's metrics count each
-    prompt once."""
+    """torchrun --nproc_per_node 2 on CPU (gloo), SFT and 2 iterations, with DDP or FSDP: the SFT
+    equals a single process's, afterwards both processes hold identical weights, which moved,
+    every iteration's metrics count each prompt once, and --resume continues."""
     out = tmp_path / "out"
     script = tmp_path / "run.py"  # train.py's main, then each process saves the weights it holds
     script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\nimport train\n"
@@ -501,6 +501,11 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
                         str(script), "--algo", algo, "--out", str(out), *SMALL, *shard], cwd=HERE,
                        env={**OFFLINE, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    alone = run_train("--algo", algo, "--out", str(tmp_path / "alone"), *SMALL, "--iterations", "0")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    sft_alone = AutoModelForCausalLM.from_pretrained(tmp_path / "alone" / "reference").state_dict()
+    sft_split = AutoModelForCausalLM.from_pretrained(out / "reference").state_dict()
+    assert all(torch.allclose(sft_alone[k], sft_split[k], atol=1e-6) for k in sft_alone)  # SFT split over processes = SFT alone
     w0, w1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
     saved = AutoModelForCausalLM.from_pretrained(out / "checkpoint").state_dict()

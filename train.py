@@ -209,8 +209,11 @@ def main(cfg: Config):
                 labels[i, : len(p["prompt_ids"])] = -100
             for group in sft_opt.param_groups:
                 group["lr"] = cfg.sft_lr * min(1.0, (step + 1) / 20) * (1 - step / cfg.sft_steps)
+            # the token mean of the whole batch: each process's token sum over the global count, times
+            # the processes, since DDP averages their gradients (a mean of per-process means would not be)
+            n_tokens = parallel.all_reduce_sum((labels[:, 1:] != -100).sum())
             with autocast:
-                loss = sft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss = sft_model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n_tokens).loss * world
             sft_opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
