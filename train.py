@@ -293,7 +293,8 @@ def main(cfg: Config):
         t0 = time.time()
         times, diagnostics = {}, {}
         # 1-3. sample prompts (reference: shuffle with seed + iteration; each process a share), responses, rewards
-        picked = random.Random(cfg.seed + it).sample(range(len(train_set)), min(cfg.prompts_per_iter, len(train_set)))
+        n_prompts = min(cfg.prompts_per_iter, len(train_set) // world * world)  # equal shares: DDP runs in step
+        picked = random.Random(cfg.seed + it).sample(range(len(train_set)), n_prompts)
         problems = [train_set[i] for i in picked[rank::world]]
         episodes = sample_episodes(problems, cfg.samples_per_prompt, cfg.temperature)
         for ep in episodes:
