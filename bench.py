@@ -180,7 +180,7 @@ def speed(a) -> dict:
                        rows=[0] * len(prefixes), max_batch_tokens=1 << 62, **gen)
 
     methods = {"naive": (naive, lambda: ()), "fork-each": (fork_each, forward), "fork-batch": (fork_batch, forward),
-               "decode-only": (decode_only, lambda: ()), "forward": (lambda: forward(), lambda: ())}
+               "decode-only": (decode_only, lambda: ()), "forward": (forward, lambda: ())}
 
     names = list(methods)
     times = {name: [] for name in names}

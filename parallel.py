@@ -59,7 +59,7 @@ def merge_rows(rows: list[dict]) -> dict:
     merged = {}
     for key in rows[0]:
         vals = [r[key] for r in rows]
-        if key in ("episodes", "mc_states", "tokens_generated", "skipped_batches", "nonfinite_skips"):
+        if key in ("prompts", "episodes", "mc_states", "tokens_generated", "skipped_batches", "nonfinite_skips"):
             merged[key] = sum(vals)
         elif key.startswith("time_") or key == "seconds":
             merged[key] = max(vals)

@@ -402,16 +402,17 @@ def test_diagnostic_metrics_hand_examples():
 
 # ---- data errors and end-to-end runs ------------------------------------------------------
 
-def test_jsonl_errors_name_file_and_line(tmp_path):
+@pytest.mark.parametrize("content, message", [
+    ('{"question": "q", "answer": "a\\n#### 1"}\n{"question": "q"\n', r"bad.jsonl:2: not valid JSON"),
+    ('{"question": "q", "answer": "no final number"}\n', r"bad.jsonl:1: 'answer' has no final"),
+    ('{"answer": "#### 3"}\n', r"bad.jsonl:1: missing .* 'question'"),
+    ('{"question": "q", "answer": "x\\n#### seventy"}\n', r"bad.jsonl:1: 'answer' has no final '#### <number>'"),
+    ("\n\n", r"bad.jsonl: no problems found"),
+])
+def test_jsonl_errors_name_file_and_line(tmp_path, content, message):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "q", "answer": "a\\n#### 1"}\n{"question": "q"\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
-        read_jsonl(str(bad))
-    bad.write_text('{"question": "q", "answer": "no final number"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:1: 'answer' has no final"):
-        read_jsonl(str(bad))
-    bad.write_text('{"answer": "#### 3"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:1: missing .* 'question'"):
+    bad.write_text(content)
+    with pytest.raises(DataError, match=message):
         read_jsonl(str(bad))
 
 
@@ -430,16 +431,6 @@ def test_grader_never_raises_on_any_text(completion, gold):
 def test_grader_never_raises_on_adversarial_text(text):
     assert gsm8k_reward(text, "72") in (0.0, 1.0) and gsm8k_reward("#### 72", text) in (0.0, 1.0)
     vine.step_starts(list(text[:5000]))  # the step splitter takes any text too
-
-
-def test_gold_answer_must_end_in_a_number(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "q", "answer": "x\\n#### seventy"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:1: 'answer' has no final '#### <number>'"):
-        read_jsonl(str(bad))
-    bad.write_text("\n\n")
-    with pytest.raises(DataError, match=r"bad.jsonl: no problems found"):
-        read_jsonl(str(bad))
 
 
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}  # no test needs a hub; an unknown id fails at once

@@ -155,7 +155,7 @@ def main(cfg: Config):
             build_tiny_model(name, cfg.seed)
         parallel.barrier()  # the others wait until it is written
     tok, policy = load_model(resume_from or name, device, cfg.trust_remote_code)
-    if cfg.gradient_checkpointing:  # non-reentrant: DDP and FSDP take it; copies (ref, critic) inherit it
+    if cfg.gradient_checkpointing:  # non-reentrant, so DDP and FSDP take it
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)  # token id -> text
@@ -226,7 +226,7 @@ def main(cfg: Config):
     if cfg.algo in ("ppo", "tppo"):
         critic = load_critic(resume_from, device) if resume_from else \
             value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
-        if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
+        if cfg.gradient_checkpointing:  # the critic's backbone too (a reloaded one does not carry it)
             critic.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     ref.eval().requires_grad_(False)
     if on_gpu:
@@ -395,7 +395,7 @@ def main(cfg: Config):
         row["skipped_batches"] = int(sum(s["skipped"] for s in stats))
         row["nonfinite_skips"] = nonfinite
         row["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
-        row["episodes"] = len(episodes)
+        row["prompts"], row["episodes"] = len(problems), len(episodes)  # this process's share; summed below
         row["response_tokens"] = sum(len(ep.response_ids) for ep in episodes) / len(episodes)
         row["mc_states"] = n_states
         row["tokens_generated"] = sum(len(ep.response_ids) for ep in episodes) + mc_tokens
@@ -404,7 +404,6 @@ def main(cfg: Config):
         row.update(times)
         row["seconds"] = time.time() - t0
         row = parallel.merge_rows(parallel.gather(row))
-        row["prompts"] = len(set().union(*parallel.gather(picked[rank::world])))  # distinct problems over all processes
         if it % cfg.eval_every == 0 or it == cfg.iterations:
             row["eval_accuracy"] = evaluate(it)
         if row["nonfinite_skips"] and main_process:
