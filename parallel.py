@@ -32,6 +32,14 @@ def close():
         dist.destroy_process_group()
 
 
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -53,18 +61,16 @@ def gather(obj) -> list:
     return out
 
 
-def merge_rows(rows: list[dict]) -> dict:
-    """Per-process metric rows -> one: counts summed, times of the slowest process, the rest
-    averaged (every process holds an equal share of the episodes)."""
-    merged = {}
-    for key in rows[0]:
-        vals = [r[key] for r in rows]
-        if key in ("prompts", "episodes", "mc_states", "tokens_generated", "skipped_batches", "nonfinite_skips"):
-            merged[key] = sum(vals)
-        elif key.startswith("time_") or key == "seconds":
-            merged[key] = max(vals)
-        else:
-            merged[key] = vals[0] if len(set(vals)) == 1 else sum(vals) / len(vals)
+def merge_metrics(rows: list[tuple[dict, dict, dict]]) -> dict:
+    """One metrics row from every process's (counts, means, times), as gather() returns them:
+    counts summed, means averaged (every process holds an equal share of the episodes), times of
+    the slowest process. A metric's kind is the dict it is in, so none is averaged by mistake."""
+    counts, means, times = rows[0]
+    merged = {k: sum(r[0][k] for r in rows) for k in counts}
+    for k in means:
+        vals = [r[1][k] for r in rows]
+        merged[k] = vals[0] if len(set(vals)) == 1 else sum(vals) / len(vals)
+    merged.update({k: max(r[2][k] for r in rows) for k in times})
     return merged
 
 

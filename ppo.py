@@ -6,10 +6,13 @@ Shapes: every tensor is [B, L-1], aligned with the actions: position t holds the
 advantage, ... of token t+1 (reference pitfall 6); `mask` is 1 on response tokens.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 
+import parallel
 import rollout
+import vine
 
 
 def masked_mean(x, mask, dim=None):
@@ -93,20 +96,119 @@ def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: fl
     return loss, stats
 
 
-# ---- batching and stepping the update ----
+# ---- the advantage of every response token, for the four methods (README table) ----
+
+def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic: float) -> dict:
+    """Set ep.advantages ([T] per episode) and, for a critic, ep.returns; returns diagnostics."""
+    rewards = torch.tensor([ep.reward for ep in episodes])
+    if algo == "vineppo":  # step advantages broadcast to the step's tokens (VinePPO §4)
+        for ep in episodes:
+            step_adv = vine.step_advantages(ep.values, ep.reward)
+            ep.advantages = torch.tensor(vine.token_advantages(ep.step_starts, step_adv, len(ep.response_ids)))
+        return {}
+    if algo == "grpo":  # one group-normalised outcome advantage per response, on all its tokens
+        adv = group_advantages(rewards, torch.tensor([ep.group for ep in episodes]))
+        for ep, a in zip(episodes, adv):
+            ep.advantages = torch.full((len(ep.response_ids),), a.item())
+        return {}
+    # ppo / tppo: GAE on the critic's values, the reward on the last token
+    values, mask = padded([ep.old_values for ep in episodes])  # [N, T]
+    last = mask.sum(1).long() - 1
+    token_rewards = torch.zeros_like(values).index_put_((torch.arange(len(episodes)), last), rewards)
+    adv, _ = gae(token_rewards, values, mask, gamma, lam)
+    _, returns = gae(token_rewards, values, mask, gamma, lam_critic)
+    for i, ep in enumerate(episodes):
+        ep.advantages, ep.returns = adv[i, : len(ep.response_ids)], returns[i, : len(ep.response_ids)]
+    return {"explained_variance": explained_variance(values, returns, mask)}
+
+
+# ---- the update: epochs over shuffled minibatches, micro-batches accumulated ----
+
+@dataclass
+class Learner:
+    """A model the update trains, with the AdamW state and LR schedule it keeps across iterations."""
+    model: torch.nn.Module      # the weights (saved, evaluated)
+    module: torch.nn.Module     # what the update calls: a DDP wrapper under torchrun, else the model
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+
+
+def make_learner(model, lr: float, total_steps: int, warmup_steps: int, fsdp: bool, device) -> Learner:
+    module = parallel.wrap(model, fsdp, device)  # before the optimizer: FSDP replaces the parameters
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(step, total_steps, warmup_steps))
+    return Learner(model, module, optim, schedule)
+
+
+def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int, minibatch: int,
+               micro_batch: int, temperature: float, clip: float, kl_coef: float, value_clip: float,
+               move_policy: bool, pad_id: int, device, autocast) -> dict:
+    """--epochs passes over the episodes in shuffled minibatches of `minibatch` (this process's
+    share), each one optimizer step per learner; advantages whitened per minibatch (reference §2.6).
+    The critic takes its own step on the same minibatch; with move_policy False only it learns.
+    Returns the means of the loss statistics, the policy's mean gradient norm and the skip count."""
+    policy_stats, critic_stats, grad_norms, nonfinite = [], [], [], 0
+    policy.model.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(episodes)).tolist()
+        for lo in range(0, len(order), minibatch):
+            batch = [episodes[i] for i in order[lo: lo + minibatch]]
+            ids, mask, fields = collate(batch, pad_id, device)
+            # whitened with the statistics of the whole minibatch, all processes' shares together
+            fields["adv"] = masked_whiten(fields["adv"], fields["act"], all_reduce=parallel.all_reduce_sum)
+            for m in range(0, len(batch), micro_batch):
+                rows, share = slice(m, m + micro_batch), ids[m: m + micro_batch].shape[0] / len(batch)
+                micro = {k: v[rows] for k, v in fields.items()}
+                if move_policy:
+                    with autocast:
+                        logp, _ = rollout.token_logprobs(policy.module, ids[rows], mask[rows], temperature)
+                    loss, stats = ppo_loss(logp, micro["old"], micro["ref"], micro["adv"], micro["act"],
+                                           clip, kl_coef)
+                    nonfinite += backward_if_finite(loss * share, stats, policy_stats)
+                if critic is not None:
+                    with autocast:
+                        out = critic.module(ids[rows], mask[rows], micro["prompt_lens"])
+                    loss, stats = critic.model.loss(out, micro["val"], micro["ret"], micro["reward"],
+                                                    micro["act"], value_clip)
+                    nonfinite += backward_if_finite(loss * share, stats, critic_stats)
+            for learner in ([policy] if move_policy else []) + ([critic] if critic is not None else []):
+                norm = optimizer_step(learner.model, learner.optimizer, learner.scheduler)
+                nonfinite += norm is None
+                if learner is policy and norm is not None:
+                    grad_norms.append(norm)
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+    out = {k: mean(policy_stats, k) for k in ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio") if policy_stats}
+    out.update({k: mean(critic_stats, k) for k in ("value_loss", "value_clipfrac") if critic_stats})
+    out["skipped_batches"] = int(sum(s["skipped"] for s in policy_stats))
+    out["nonfinite_skips"] = nonfinite
+    out["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+    return out
+
+
+def backward_if_finite(loss, stats: dict, into: list) -> bool:
+    """Backward of one micro-batch's loss, unless it is not finite (it would corrupt the weights):
+    then returns True and drops its stats. Under DDP every process must take part in every
+    backward, so it runs anyway, and the NaN gradient norm skips the step on all processes."""
+    finite = bool(torch.isfinite(loss))
+    if finite:
+        into.append(stats)
+    if finite or parallel.world_size() > 1:
+        loss.backward()
+    return not finite
+
 
 def collate(episodes, pad_id, device):
     """Right-padded ids [B, L], attention mask, and [B, L-1] action-aligned tensors: action mask
     "act" and the episodes' per-token arrays (old/ref log-probs, advantages, critic values, returns)."""
     ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id, device)
-    fields = {"old": "old_logp", "ref": "ref_logp", "adv": "advantages", "val": "old_values", "ret": "returns"}
-    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ["act", *fields]}
+    names = {"old": "old_logp", "ref": "ref_logp", "adv": "advantages", "val": "old_values", "ret": "returns"}
+    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ["act", *names]}
     for i, ep in enumerate(episodes):
-        s = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
-        out["act"][i, s] = 1
-        for k, name in fields.items():
+        actions = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
+        out["act"][i, actions] = 1
+        for k, name in names.items():
             if getattr(ep, name) is not None:
-                out[k][i, s] = getattr(ep, name).to(device)
+                out[k][i, actions] = getattr(ep, name).to(device)
     out["reward"] = torch.tensor([ep.reward for ep in episodes], device=device)
     out["prompt_lens"] = torch.tensor([len(ep.prompt_ids) for ep in episodes], device=device)
     return ids, mask, out

@@ -121,6 +121,13 @@ def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, sli
     raise DataError(f"--data {data!r}: expected 'arith', 'gsm8k' or a path ending in .jsonl")
 
 
+def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world: int = 1) -> list[dict]:
+    """n problems drawn with `seed` (the same in every process), and this process's share of them.
+    The shares are equal (n rounded down to a multiple of world), so that DDP runs in step."""
+    picked = random.Random(seed).sample(range(len(problems)), min(n, len(problems) // world * world))
+    return [problems[i] for i in picked[rank::world]]
+
+
 def encode_prompt(tok, question: str) -> list[int]:
     ids = tok(PROMPT.format(question=question.strip()), add_special_tokens=False).input_ids
     return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids

@@ -32,6 +32,11 @@ class Episode:
     returns: torch.Tensor | None = None                    # [T] critic's regression targets
 
 
+def pad_id(tok) -> int:
+    """The tokenizer's pad id, or EOS where it has none (Llama's): padding is masked anyway."""
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
 def pad_right(seqs: list[list[int]], pad_id: int, device=None):
     """Right-padded [B, L] ids and attention mask."""
     width = max(len(s) for s in seqs)
@@ -157,6 +162,28 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
                 done[j].append(bool(seq) and seq[-1] == eos_id)
     model.train(was_training)
     return conts, done
+
+
+def sample_episodes(model, problems: list[dict], k: int, grade, *, max_new_tokens: int, **gen) -> list[Episode]:
+    """k responses to each problem (prompt encoded once, then forked), graded: grade(response_ids,
+    episode) -> reward; a response that did not finish within max_new_tokens scores 0."""
+    conts, done = sample(model, [p["prompt_ids"] for p in problems], k, [max_new_tokens] * len(problems), **gen)
+    episodes = [Episode(p["prompt_ids"], c, p["answer"], group, f)
+                for group, (p, cs, fs) in enumerate(zip(problems, conts, done)) for c, f in zip(cs, fs)]
+    for ep in episodes:
+        ep.reward = grade(ep.response_ids, ep) if ep.finished else 0.0
+    return episodes
+
+
+def reference_logprobs(ref, episodes, *, temperature: float, pad_id: int, forward_batch_tokens: int, autocast):
+    """Set ep.ref_logp ([T]) under the frozen reference, once per iteration (reference pitfall 11)."""
+    device = next(ref.parameters()).device
+    for chunk in group_chunks(episodes, forward_batch_tokens):
+        ids, mask = pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad_id, device)
+        with torch.no_grad(), autocast:
+            logp, _ = token_logprobs(ref, ids, mask, temperature)
+        for ep, lp in zip(chunk, per_response(logp, chunk)):
+            ep.ref_logp = lp
 
 
 def group_chunks(episodes, max_tokens: int):

@@ -108,7 +108,7 @@ def test_mc_values_cap_leaves_none():
     orig = rollout.sample
     rollout.sample = lambda m, prefixes, k, b, **kw: ([[[2]] * k for _ in prefixes], [[True] * k for _ in prefixes])
     try:
-        vine.mc_values(None, [ep], None, [0], 2, lambda ids, e: 1.0, max_new_tokens=8, max_states=1)
+        vine.mc_values(None, [ep], None, [0], 2, lambda ids, e: 1.0, max_new_tokens=8, max_states=2)
     finally:
         rollout.sample = orig
     assert ep.values == [1.0, 1.0, None, None]
@@ -256,13 +256,13 @@ def test_masked_whiten_with_global_statistics():
     assert w[0, 2].item() == w[1, 1].item() == 0.0
 
 
-def test_merge_rows_of_several_processes():
+def test_merge_metrics_of_several_processes():
     import parallel
-    rows = [{"iteration": 3, "episodes": 8, "mc_states": 10, "train_reward": 0.5, "time_values": 2.0, "seconds": 5.0},
-            {"iteration": 3, "episodes": 8, "mc_states": 14, "train_reward": 0.75, "time_values": 3.0, "seconds": 4.0}]
-    assert parallel.merge_rows(rows) == {"iteration": 3, "episodes": 16, "mc_states": 24, "train_reward": 0.625,
-                                         "time_values": 3.0, "seconds": 5.0}
-    assert parallel.merge_rows(rows[:1]) == rows[0]
+    rows = [({"episodes": 8, "mc_states": 10}, {"train_reward": 0.5, "lr": 1e-5}, {"time_values": 2.0, "seconds": 5.0}),
+            ({"episodes": 8, "mc_states": 14}, {"train_reward": 0.75, "lr": 1e-5}, {"time_values": 3.0, "seconds": 4.0})]
+    assert parallel.merge_metrics(rows) == {"episodes": 16, "mc_states": 24, "train_reward": 0.625, "lr": 1e-5,
+                                            "time_values": 3.0, "seconds": 5.0}
+    assert parallel.merge_metrics(rows[:1]) == {**rows[0][0], **rows[0][1], **rows[0][2]}
 
 
 def test_live_tensor_bytes_counts_the_peak():

@@ -43,6 +43,9 @@ class Critic(nn.Module):
             return out
         return tracking_logits(out, prompt_lens)
 
+    def loss(self, out, old_values, returns, rewards, mask, clip: float = 0.2):
+        return critic_loss(self, out, old_values, returns, rewards, mask, clip)
+
     def values(self, ids, mask, prompt_lens):
         out = self(ids, mask, prompt_lens)
         return out if self.head_type == "scalar" else torch.sigmoid(out)

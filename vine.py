@@ -11,6 +11,9 @@ step i takes A_i. Values come from the task reward only: the KL term lives in th
 """
 from bisect import bisect_right
 
+import torch
+from tqdm import tqdm
+
 import rollout
 
 
@@ -63,7 +66,7 @@ def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) ->
 
 def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k: int,
               grade, *, max_new_tokens: int, max_states: int, **gen):
-    """Set ep.values[i] = V_hat(s_i) for i = 0..min(n-1, max_states), None beyond.
+    """Set ep.values[i] = V_hat(s_i) for the first max_states states s_0, s_1, ..., None beyond.
 
     `cache` is the KV cache of the forward pass over these episodes (row rows[e] holds
     prompt + response of episodes[e]), so each state is forked, never re-encoded. Identical
@@ -73,7 +76,7 @@ def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k:
     one of the main rollout: a state at response token b may add max_new_tokens - b tokens."""
     unique = {}  # state tokens -> (episode, boundary)
     for e, ep in enumerate(episodes):
-        for b in ep.step_starts[: max_states + 1]:
+        for b in ep.step_starts[:max_states]:
             unique.setdefault(tuple(ep.prompt_ids + ep.response_ids[:b]), (e, b))
     keys = list(unique)
     prefixes = [list(key) for key in keys]
@@ -87,6 +90,32 @@ def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k:
         rewards = [grade(ep.response_ids[:b] + c, ep) if f else 0.0 for c, f in zip(cs, fs)]
         value[key] = sum(rewards) / k
     for ep in episodes:
-        ep.values = [value.get(tuple(ep.prompt_ids + ep.response_ids[:b])) if i <= max_states else None
+        ep.values = [value.get(tuple(ep.prompt_ids + ep.response_ids[:b])) if i < max_states else None
                      for i, b in enumerate(ep.step_starts)]
     return len(keys), sum(len(c) for cs in conts for c in cs)
+
+
+def old_logprobs_and_values(policy, critic, episodes, grade, *, algo: str, temperature: float, mc_rollouts: int,
+                            max_value_states: int, forward_batch_tokens: int, autocast, **gen) -> dict:
+    """ep.old_logp, and VinePPO's MC values (above) or a critic's V(s_t) (value.py), whichever `algo`
+    needs. One forward pass per chunk of episodes gives the old log-probs and the KV cache of every
+    prefix of every response, so the forks copy that cache: no state is encoded again.
+    Returns the number of MC states estimated and of tokens their continuations generated."""
+    n_states = mc_tokens = 0
+    device = next(policy.parameters()).device
+    for chunk in tqdm(list(rollout.group_chunks(episodes, forward_batch_tokens)), desc="values", leave=False):
+        ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], gen["pad_id"], device)
+        with torch.no_grad(), autocast:
+            logp, cache = rollout.token_logprobs(policy, ids, mask, temperature, keep_cache=algo == "vineppo")
+            if algo == "vineppo":
+                states, tokens = mc_values(policy, chunk, cache, list(range(len(chunk))), mc_rollouts, grade,
+                                           max_states=max_value_states, temperature=temperature, **gen)
+                n_states, mc_tokens = n_states + states, mc_tokens + tokens
+            if critic is not None:
+                prompt_lens = torch.tensor([len(ep.prompt_ids) for ep in chunk], device=device)
+                for ep, v in zip(chunk, rollout.per_response(critic.values(ids, mask, prompt_lens), chunk)):
+                    ep.old_values = v
+        for ep, lp in zip(chunk, rollout.per_response(logp, chunk)):
+            ep.old_logp = lp
+        del cache  # before the next chunk's forward pass allocates its own
+    return {"mc_states": n_states, "mc_tokens": mc_tokens}
