@@ -142,20 +142,23 @@ def make_learner(model, lr: float, total_steps: int, warmup_steps: int, fsdp: bo
 
 def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int, minibatch: int,
                micro_batch: int, temperature: float, clip: float, kl_coef: float, value_clip: float,
-               move_policy: bool, pad_id: int, device, autocast) -> dict:
+               move_policy: bool, whiten: bool, pad_id: int, device, autocast) -> dict:
     """--epochs passes over the episodes in shuffled minibatches of `minibatch` (this process's
-    share), each one optimizer step per learner; advantages whitened per minibatch (reference §2.6).
-    The critic takes its own step on the same minibatch; with move_policy False only it learns.
+    share), each one optimizer step per learner; with `whiten`, advantages are whitened per
+    minibatch (reference §2.6). The critic takes its own step on the same minibatch; with
+    move_policy False only it learns. Models are in training mode (dropout) here only.
     Returns the means of the loss statistics, the policy's mean gradient norm and the skip count."""
     policy_stats, critic_stats, grad_norms, nonfinite = [], [], [], 0
-    policy.model.train()
+    learners = [policy] + ([critic] if critic is not None else [])
+    for learner in learners:
+        learner.model.train()
     for _ in range(epochs):
         order = torch.randperm(len(episodes)).tolist()
         for lo in range(0, len(order), minibatch):
             batch = [episodes[i] for i in order[lo: lo + minibatch]]
             ids, mask, fields = collate(batch, pad_id, device)
-            # whitened with the statistics of the whole minibatch, all processes' shares together
-            fields["adv"] = masked_whiten(fields["adv"], fields["act"], all_reduce=parallel.all_reduce_sum)
+            if whiten:  # with the statistics of the whole minibatch, all processes' shares together
+                fields["adv"] = masked_whiten(fields["adv"], fields["act"], all_reduce=parallel.all_reduce_sum)
             for m in range(0, len(batch), micro_batch):
                 rows, share = slice(m, m + micro_batch), ids[m: m + micro_batch].shape[0] / len(batch)
                 micro = {k: v[rows] for k, v in fields.items()}
@@ -176,6 +179,8 @@ def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int
                 nonfinite += norm is None
                 if learner is policy and norm is not None:
                     grad_norms.append(norm)
+    for learner in learners:
+        learner.model.eval()  # sampling and scoring see no dropout
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
     out = {k: mean(policy_stats, k) for k in ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio") if policy_stats}
     out.update({k: mean(critic_stats, k) for k in ("value_loss", "value_clipfrac") if critic_stats})
@@ -222,9 +227,10 @@ def padded(rows: list[torch.Tensor]):
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
-    """DeepSpeed WarmupDecayLR as the reference runs it: log-shaped warm-up, then linear decay to 0."""
+    """DeepSpeed WarmupDecayLR as the reference runs it: log-shaped warm-up, then linear decay to 0.
+    Like DeepSpeed, the log's denominator counts at least 2 steps (a 1-step warm-up would be 0/0)."""
     if step < warmup:
-        return math.log(step + 1) / math.log(warmup)
+        return math.log(step + 1) / math.log(max(2, warmup))
     return max(0.0, (total - step) / max(1, total - warmup))
 
 

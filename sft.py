@@ -20,6 +20,7 @@ def sft_warm_start(policy, tok, problems: list[dict], *, steps: int, lr: float, 
     LR warm-up over 20 steps, then linear decay; gradients clipped to norm 1."""
     rank, world = parallel.rank(), parallel.world_size()
     rng, model = random.Random(seed), parallel.wrap(policy, fsdp, device)
+    policy.train()
     optim = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     for step in tqdm(range(steps), desc="sft", disable=rank != 0):
         batch = rng.sample(problems, min(batch_size, len(problems)))[rank::world]
@@ -40,3 +41,5 @@ def sft_warm_start(policy, tok, problems: list[dict], *, steps: int, lr: float, 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         optim.step()
+    optim.zero_grad()  # the first RL step must not add the last SFT gradient
+    policy.eval()  # training mode (dropout) only inside an update

@@ -1,4 +1,5 @@
 """Tests: the math against hand-computed or exactly enumerable cases, and smoke runs of train.py."""
+import contextlib
 import copy
 import json
 import math
@@ -381,6 +382,75 @@ def test_lr_schedule():
     assert ppo.lr_factor(100, 100, 10) == 0.0
 
 
+@pytest.mark.parametrize("warmup, expected", [(0, [1.0, 0.75, 0.5, 0.25]), (1, [0.0, 1.0, 2 / 3, 1 / 3]),
+                                              (2, [0.0, 1.0, 1.0, 0.5])])
+def test_lr_schedule_short_warmups(warmup, expected):
+    """A warm-up of 0, 1 or 2 steps (the demo's --iterations 3 or 4 round 3% to one step): no 0/0."""
+    assert [ppo.lr_factor(step, 4, warmup) for step in range(4)] == pytest.approx(expected)
+
+
+def tiny_llama(dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         attention_dropout=dropout, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+def scored_episodes(model, rewards_by_group, lengths):
+    """Episodes with random responses of the given lengths, old = ref log-probs of `model` (ratio 1)."""
+    eps, g = [], torch.Generator().manual_seed(3)
+    for group, (rewards, lens) in enumerate(zip(rewards_by_group, lengths)):
+        for r, n in zip(rewards, lens):
+            eps.append(rollout.Episode([1, 5], torch.randint(3, 20, (n,), generator=g).tolist(), "", group, True, r))
+    for ep in eps:
+        ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids], 0)
+        with torch.no_grad():
+            ep.old_logp = ep.ref_logp = rollout.per_response(rollout.token_logprobs(model, ids, mask, 1.0)[0], [ep])[0]
+    return eps
+
+
+def run_update(model, eps, whiten):
+    learner = ppo.make_learner(model, 1e-2, 10, 0, False, "cpu")
+    return ppo.ppo_update(eps, learner, None, epochs=1, minibatch=len(eps), micro_batch=len(eps),
+                          temperature=1.0, clip=0.2, kl_coef=0.0, value_clip=0.2, move_policy=True,
+                          whiten=whiten, pad_id=0, device="cpu", autocast=contextlib.nullcontext())
+
+
+def test_grpo_zero_variance_group_gets_zero_advantage_and_gradient(monkeypatch):
+    """GRPO's group-normalised advantage is used as GRPO defines it: no second, token-level centring,
+    which would push a group whose answers were all right (advantage 0) by the others' lengths."""
+    model = tiny_llama()
+    eps = scored_episodes(model, [[1.0, 1.0], [1.0, 0.0]], [[3, 3], [2, 6]])
+    ppo.assign_advantages("grpo", eps, 1.0, 1.0, 1.0)
+    assert [ep.advantages[0].item() for ep in eps] == pytest.approx([0, 0, 1, -1], abs=1e-5)
+    seen, loss = [], ppo.ppo_loss
+    monkeypatch.setattr(ppo, "ppo_loss", lambda logp, old, ref, adv, act, *a: seen.append((adv, act)) or
+                        loss(logp, old, ref, adv, act, *a))
+    for whiten, group_a_is_zero in [(False, True), (True, False)]:
+        seen.clear()
+        run_update(copy.deepcopy(model), eps, whiten)
+        adv, act = seen[0]  # rows in shuffled order; the all-correct group's responses are the 3-token ones
+        zero = all(adv[i][act[i] > 0].abs().max() < 1e-6 for i in range(len(eps)) if act[i].sum() == 3)
+        assert zero == group_a_is_zero
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = run_update(model, eps[:2], whiten=False)  # only the all-correct group: no gradient at all
+    assert stats["grad_norm"] == 0.0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_dropout_only_inside_updates():
+    """Sampling, old log-probs and MC continuations see no dropout: a model that has it is in
+    training mode only inside the SFT and PPO updates."""
+    model = tiny_llama(dropout=0.5)
+    eps = scored_episodes(model.eval(), [[1.0, 0.0]], [[4, 5]])
+    ppo.assign_advantages("grpo", eps, 1.0, 1.0, 1.0)
+    run_update(model, eps, whiten=True)
+    assert not model.training
+    ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in eps], 0)
+    first, second = (rollout.token_logprobs(model, ids, mask, 1.0)[0] for _ in range(2))
+    assert torch.equal(first, second)
+
+
 # ---- value diagnostics --------------------------------------------------------------------
 
 def test_diagnostic_metrics_hand_examples():
@@ -571,6 +641,15 @@ def test_killed_run_resumes_to_the_same_numbers(tmp_path):
     assert [row["iteration"] for row in numbers(out)] == [0, 1, 2, 3]
     wrong = run_train("--out", str(out), *args, "--resume", "--algo", "grpo")
     assert wrong.returncode == 2 and "written with --algo 'vineppo', not 'grpo'" in wrong.stderr
+
+
+def test_first_rl_step_starts_from_a_clean_gradient(tmp_path):
+    """One sample per prompt: GRPO's advantages are all 0, and with no KL term the first iteration's
+    gradient must be exactly zero (the last SFT gradient must not leak into the first PPO step)."""
+    r = run_train("--algo", "grpo", "--out", str(tmp_path), *SMALL, "--samples-per-prompt", "1", "--kl-coef", "0",
+                  "--iterations", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert numbers(tmp_path)[1]["grad_norm"] == 0.0
 
 
 def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):

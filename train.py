@@ -164,13 +164,14 @@ def main(cfg: Config):
                                    forward_batch_tokens=cfg.forward_batch_tokens, autocast=autocast)
         times["time_logprobs"] = time.time() - t
 
-        # 7. epochs of clipped PPO on shuffled minibatches (during --critic-warmup only the critic learns)
+        # 7. epochs of clipped PPO on shuffled minibatches (during --critic-warmup only the critic learns);
+        #    GRPO's advantages are already normalised per group: whitening again would re-centre them
         t = time.time()
         stats = ppo.ppo_update(episodes, policy, critic, epochs=cfg.epochs, minibatch=cfg.minibatch // world,
                                micro_batch=cfg.micro_batch, temperature=cfg.temperature, clip=cfg.clip,
                                kl_coef=cfg.kl_coef, value_clip=cfg.value_clip,
-                               move_policy=it > cfg.critic_warmup, pad_id=gen["pad_id"], device=device,
-                               autocast=autocast)
+                               move_policy=it > cfg.critic_warmup, whiten=cfg.algo != "grpo",
+                               pad_id=gen["pad_id"], device=device, autocast=autocast)
         times["time_update"] = time.time() - t
 
         # 8. log, evaluate, checkpoint
