@@ -1,11 +1,7 @@
-"""The start of a run and its checkpoints: models to and from disk (hub id, local path, the tiny
-offline model), the setup before the first iteration (data, SFT warm start, reference, critic,
-optimizers), atomic checkpoints, and what --resume needs to continue exactly (optimizers,
-schedules, random streams)."""
-import copy
+"""Models to and from disk (hub id, local path, the tiny offline model), atomic checkpoints, and
+what --resume needs to continue a run exactly (optimizers, schedules, random streams)."""
 import dataclasses
 import json
-import math
 import os
 import random
 import shutil
@@ -14,9 +10,6 @@ import torch
 from tqdm import tqdm
 
 import parallel
-import ppo
-import reward
-import sft
 import value
 from reward import DataError
 
@@ -100,10 +93,18 @@ def last_checkpoint(out: str) -> str | None:
 def truncate_jsonl(path: str, last_iteration: int):
     """Drop the rows written after the checkpoint, so a resumed run neither repeats nor skips one."""
     if os.path.exists(path):
-        rows = [line for line in open(path) if json.loads(line)["iteration"] <= last_iteration]
+        rows = [line for line in open(path) if complete_row(line) and json.loads(line)["iteration"] <= last_iteration]
         with open(path + ".tmp", "w") as f:
             f.writelines(rows)
         os.replace(path + ".tmp", path)
+
+
+def complete_row(line: str) -> bool:
+    """False for a line torn by a kill in the middle of its write."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def rng_state() -> dict:
@@ -122,52 +123,36 @@ def set_rng_state(state: dict):
 
 # ---- a run's start and its checkpoints (what --resume needs to continue exactly) ----
 
-RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp")
-
-
-def prepare_out(out: str):
-    """Create --out and check that this process can write there."""
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".writable{parallel.rank()}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise DataError(f"--out {out!r}: not writable ({e.strerror})") from None
+# what a resumed run cannot change: its models, data and what the reference was made from
+RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "arith_slip", "sft_steps", "sft_lr",
+                     "sft_batch")
+RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
 
 
 def find_resume(cfg) -> tuple[str | None, dict | None]:
     """With --resume: the last complete checkpoint in --out and its trainer state, checked against
     the settings a run cannot change midway. (None, None) for a fresh start."""
-    path = last_checkpoint(cfg.out) if cfg.resume else None
-    if path is None:
-        if cfg.resume:
-            tqdm.write(f"--resume: no complete checkpoint in {cfg.out}, starting from scratch")
+    if not cfg.resume:
         return None, None
-    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    path = last_checkpoint(cfg.out)
+    if path is None:
+        if any(os.path.exists(os.path.join(cfg.out, name)) for name in RESULTS):
+            raise DataError(f"--resume: {cfg.out!r} holds results but no complete checkpoint to continue from; "
+                            "--overwrite starts the run again")
+        tqdm.write(f"--resume: nothing in {cfg.out} yet, starting from scratch")
+        return None, None
+    try:
+        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged file: refuse, never start over on top of the results
+        raise DataError(f"--resume: {path}/trainer_state.pt cannot be read ({str(e).splitlines()[0]})") from None
     for key in RESUME_MUST_MATCH:
         if state["config"][key] != getattr(cfg, key):
             raise DataError(f"--resume: {path} was written with --{key.replace('_', '-')} "
                             f"{state['config'][key]!r}, not {getattr(cfg, key)!r}")
+    if state["config"]["iterations"] < cfg.iterations and parallel.rank() == 0:
+        tqdm.write(f"--resume: --iterations {cfg.iterations}, not {state['config']['iterations']}: "
+                   f"the LR schedule is stretched to end at iteration {cfg.iterations}")
     return path, state
-
-
-def load_policy_and_reference(cfg, resume_from: str | None, device):
-    """(tokenizer, policy, frozen reference). The tiny demo model is built once in OUT/tiny-init.
-    A resumed run reloads the policy from its checkpoint and the reference from OUT/reference
-    (written after SFT) or from the starting model; otherwise the reference is a copy of the
-    policy, which SFT (if any) then overwrites."""
-    name = ALIASES.get(cfg.model, cfg.model)
-    if name == "tiny":
-        name = os.path.join(cfg.out, "tiny-init")
-        if not resume_from and parallel.rank() == 0:
-            build_tiny_model(name, cfg.seed)
-        parallel.barrier()  # the other processes wait until it is written
-    tok, policy = load_model(resume_from or name, device, cfg.trust_remote_code)
-    if not resume_from:
-        return tok, policy, copy.deepcopy(policy)
-    ref_path = os.path.join(cfg.out, "reference") if cfg.sft_steps else name
-    return tok, policy, load_model(ref_path, device, cfg.trust_remote_code)[1]
 
 
 def save_training_state(cfg, iteration: int, tok, policy, critic):
@@ -186,62 +171,26 @@ def save_training_state(cfg, iteration: int, tok, policy, critic):
                         critic_weights=critic_weights)
 
 
-def restore_training_state(cfg, state: dict | None, learners: list) -> int:
-    """The first iteration to run. On resume: optimizer and schedule states, this process's random
-    streams, and the metrics/samples files cut back to the checkpoint. Else the files start empty."""
+def restore_training_state(cfg, state: dict | None, learners: list) -> int | None:
+    """The last iteration done, None for a fresh run (whose metrics/samples files start empty).
+    On resume: optimizer and schedule states, this process's random streams, and the files cut
+    back to the checkpoint."""
     paths = [os.path.join(cfg.out, name) for name in ("metrics.jsonl", "samples.jsonl")]
     if state is None:
         if parallel.rank() == 0:
             for path in paths:
                 open(path, "w").close()
-        return 1
+        return None
     for learner, saved in zip(learners, state["optimizers"]):
         parallel.load_optimizer_state(learner.model, learner.optimizer, saved["optimizer"])
         learner.scheduler.load_state_dict(saved["scheduler"])
-    start = state["iteration"] + 1
     if len(state["rng"]) == parallel.world_size():  # one random state per process
         set_rng_state(state["rng"][parallel.rank()])
     else:
         tqdm.write(f"--resume: written by {len(state['rng'])} processes, now {parallel.world_size()}: "
                    "random streams reseeded")
-        torch.manual_seed(cfg.seed + parallel.rank() + 1000 * start)
+        torch.manual_seed(cfg.seed + parallel.rank() + 1000 * (state["iteration"] + 1))
     if parallel.rank() == 0:
         for path in paths:
             truncate_jsonl(path, state["iteration"])
-    return start
-
-
-def start_run(cfg, device, autocast):
-    """Data, models (SFT warm start, frozen reference, critic) and optimizers; on --resume, all of
-    it as the last checkpoint left it. Returns the learners (ppo.Learner) and the first iteration."""
-    prepare_out(cfg.out)
-    train_set = reward.load_problems(cfg.data, "train", seed=cfg.seed, slip=cfg.arith_slip)
-    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", seed=cfg.seed)[: cfg.eval_problems or None]
-    resume_from, state = find_resume(cfg)
-    tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
-    if cfg.gradient_checkpointing:  # non-reentrant, so DDP and FSDP take it
-        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    for problem in train_set + eval_set:
-        problem["prompt_ids"] = reward.encode_prompt(tok, problem["question"])
-    train_set = [p for p in train_set if len(p["prompt_ids"]) <= cfg.max_prompt_tokens]
-    if cfg.sft_steps and not resume_from:  # the KL reference and the critic start from the SFT policy
-        sft.sft_warm_start(policy, tok, train_set, steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch,
-                       seed=cfg.seed, fsdp=cfg.fsdp, device=device, autocast=autocast)
-        ref.load_state_dict(parallel.full_state_dict(policy))
-        if parallel.rank() == 0:
-            save_checkpoint(cfg.out, ref, tok, name="reference")  # resumed runs reload it
-    critic = None  # PPO / TPPO: a copy of the starting policy's backbone with a value head (value.py)
-    if cfg.algo in ("ppo", "tppo"):
-        critic = load_critic(resume_from, device) if resume_from else \
-            value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
-        if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
-            critic.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    ref.eval().requires_grad_(False)
-    if device.type == "cuda":
-        ref.to(torch.bfloat16)
-    # one AdamW state and LR schedule per trained model, kept across iterations (reference pitfall 12)
-    total = cfg.iterations * cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
-    learners = [ppo.make_learner(model, lr, total, int(cfg.warmup * total), cfg.fsdp, device)
-                for model, lr in [(policy, cfg.lr), (critic, cfg.critic_lr)] if model is not None]
-    start = restore_training_state(cfg, state, learners)
-    return tok, train_set, eval_set, ref, learners[0], (learners[1] if critic is not None else None), start
+    return state["iteration"]

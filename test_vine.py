@@ -663,12 +663,80 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["--lr", "-1"], "--lr -1.0: expected >= 0"),
+    (["--mc-rollouts", "-2"], "--mc-rollouts -2: expected >= 1"),
+    (["--samples-per-prompt", "0"], "--samples-per-prompt 0: expected >= 1"),
+    (["--prompts-per-iter", "0"], "--prompts-per-iter 0: expected >= 1"),
+    (["--minibatch", "0"], "--minibatch 0: expected >= 1"),
+    (["--micro-batch", "0"], "--micro-batch 0: expected >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: expected >= 1"),
+    (["--eval-samples", "0"], "--eval-samples 0: expected >= 1"),
+    (["--epochs", "0"], "--epochs 0: expected >= 1"),
+    (["--warmup", "nan"], "--warmup nan: expected"),
+    (["--critic-lr", "inf"], "--critic-lr inf: expected"),
+    (["--device", "bogus"], "--device 'bogus': expected 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    (["--temperature", "0"], "--temperature 0.0: expected > 0"),
+    (["--top-p", "0"], "--top-p 0.0: expected in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p 1.5: expected in (0, 1]"),
+    (["--clip", "-0.1"], "--clip -0.1: expected > 0"),
+    (["--iterations", "-1"], "--iterations -1: expected >= 0"),
+    (["--eval-problems", "-3"], "--eval-problems -3: expected >= 0"),
+    (["--eval-every", "-1"], "--eval-every -1: expected >= 0"),
+    (["--gamma", "2"], "--gamma 2.0: expected between 0 and 1"),
+    (["--arith-slip", "1.5"], "--arith-slip 1.5: expected between 0 and 1"),
+    (["--kl-coef", "-1"], "--kl-coef -1.0: expected >= 0"),
+    (["--value-head", "scalar"], "--value-head 'scalar': only ppo and tppo have a critic, not vineppo"),
+    (["--value-head", "tracking", "--algo", "grpo"], "--value-head 'tracking': only ppo and tppo have a critic"),
+    (["--value-head", "mlp", "--algo", "ppo"], "--value-head 'mlp': expected one of , scalar, tracking, bce"),
+    (["--algo", "a2c"], "--algo 'a2c': expected one of vineppo, ppo, tppo, grpo"),
+    (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+])
+def test_bad_setting_gives_one_line_error(capsys, args, message):
+    """Every setting is checked once, right after parsing: exit status 2 and one line, no traceback."""
+    import train
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("args, message", [
     (["--data", "nope"], "--data 'nope': expected 'arith', 'gsm8k' or a path ending in .jsonl"),
     (["--data", "missing.jsonl"], "missing.jsonl: cannot read"),
     (["--model", "no/such-model-here"], "--model 'no/such-model-here': cannot load it"),
     (["--out", "/dev/null/out"], "--out '/dev/null/out': not writable"),
-    (["--algo", "a2c"], "--algo 'a2c': expected one of vineppo, ppo, tppo, grpo"),
+    (["--device", "cuda"], "--device cuda: no CUDA device is available here"),
+    (["--max-prompt-tokens", "5"], "--max-prompt-tokens 5: every training problem's prompt is longer"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, args, message):
-    r = run_train("--out", str(tmp_path), *SMALL, *args)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = run_train("--out", str(tmp_path / "out"), *SMALL, *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_no_run_destroys_another_runs_results(tmp_path):
+    """A second run into the same --out is refused unless it resumes or overwrites; a resume never
+    starts over on top of results, names a setting it cannot change, survives a torn metrics line,
+    logs iteration 0 once, and says so when there is nothing left to train."""
+    out, small = str(tmp_path), [*SMALL, "--save-every", "1"]
+    assert run_train("--out", out, *small, "--iterations", "0").returncode == 0
+    again = run_train("--out", out, *small, "--iterations", "0")
+    assert again.returncode == 2 and "holds an earlier run" in again.stderr and "--overwrite" in again.stderr
+    assert run_train("--out", out, *small, "--iterations", "1", "--resume").returncode == 0
+    assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1]  # iteration 0 logged once
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 2, "train_rew')  # a kill in the middle of a write
+    assert run_train("--out", out, *small, "--iterations", "2", "--resume").returncode == 0
+    assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1, 2]
+    done = run_train("--out", out, *small, "--iterations", "1", "--resume")
+    assert done.returncode == 0 and "nothing to train" in done.stderr + done.stdout
+    assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1, 2]
+    other = run_train("--out", out, *small, "--iterations", "2", "--resume", "--sft-steps", "5")
+    assert other.returncode == 2 and "written with --sft-steps 3, not 5" in other.stderr
+    (tmp_path / "checkpoint" / "trainer_state.pt").write_bytes(b"damaged")
+    damaged = run_train("--out", out, *small, "--iterations", "3", "--resume")
+    assert damaged.returncode == 2 and "trainer_state.pt cannot be read" in damaged.stderr
+    assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1, 2]  # nothing wiped
+    fresh = run_train("--out", out, *small, "--iterations", "1", "--overwrite", "--eval-every", "0", "--save-every", "0")
+    assert fresh.returncode == 0 and [row["iteration"] for row in numbers(tmp_path)] == [0, 1]

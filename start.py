@@ -1,0 +1,102 @@
+"""Everything before the first iteration: the output directory, data, models (the SFT warm start,
+the frozen reference, the critic) and optimizers; on --resume, all of it as the last checkpoint
+left it (checkpoint.py)."""
+import copy
+import math
+import os
+
+import torch
+from tqdm import tqdm
+
+import parallel
+import ppo
+import reward
+import sft
+import value
+from checkpoint import ALIASES, RESULTS, build_tiny_model, find_resume, load_critic, load_model, \
+    restore_training_state, save_checkpoint
+from reward import DataError
+
+
+def start_run(cfg, device, autocast):
+    """Data, models (SFT warm start, frozen reference, critic) and optimizers; on --resume, all of
+    it as the last checkpoint left it. Returns the learners (ppo.Learner) and the last iteration
+    done (None for a fresh run)."""
+    prepare_out(cfg)
+    train_set = reward.load_problems(cfg.data, "train", seed=cfg.seed, slip=cfg.arith_slip)
+    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", seed=cfg.seed)[: cfg.eval_problems or None]
+    resume_from, state = find_resume(cfg)
+    tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
+    if cfg.gradient_checkpointing:  # non-reentrant, so DDP and FSDP take it
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    for problem in train_set + eval_set:
+        problem["prompt_ids"] = reward.encode_prompt(tok, problem["question"])
+    train_set, eval_set = (drop_long_prompts(problems, cfg.max_prompt_tokens, split)
+                           for problems, split in ((train_set, "training"), (eval_set, "held-out")))
+    if cfg.sft_steps and not resume_from:  # the KL reference and the critic start from the SFT policy
+        sft.sft_warm_start(policy, tok, train_set, steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch,
+                       seed=cfg.seed, fsdp=cfg.fsdp, device=device, autocast=autocast)
+        ref.load_state_dict(parallel.full_state_dict(policy))
+        if parallel.rank() == 0:
+            save_checkpoint(cfg.out, ref, tok, name="reference")  # resumed runs reload it
+    critic = None  # PPO / TPPO: a copy of the starting policy's backbone with a value head (value.py)
+    if cfg.algo in ("ppo", "tppo"):
+        critic = load_critic(resume_from, device) if resume_from else \
+            value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
+        if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
+            critic.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ref.eval().requires_grad_(False)
+    if device.type == "cuda":
+        ref.to(torch.bfloat16)
+    # one AdamW state and LR schedule per trained model, kept across iterations (reference pitfall 12)
+    total = cfg.iterations * cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
+    learners = [ppo.make_learner(model, lr, total, int(cfg.warmup * total), cfg.fsdp, device)
+                for model, lr in [(policy, cfg.lr), (critic, cfg.critic_lr)] if model is not None]
+    done = restore_training_state(cfg, state, learners)
+    return tok, train_set, eval_set, ref, learners[0], (learners[1] if critic is not None else None), done
+
+
+def drop_long_prompts(problems: list[dict], max_tokens: int, split: str) -> list[dict]:
+    """The problems whose prompt fits in max_tokens (the reference drops the others), saying how many went."""
+    kept = [p for p in problems if len(p["prompt_ids"]) <= max_tokens]
+    if not kept:
+        raise DataError(f"--max-prompt-tokens {max_tokens}: every {split} problem's prompt is longer")
+    if len(kept) < len(problems) and parallel.rank() == 0:
+        tqdm.write(f"skipped {len(problems) - len(kept)} of {len(problems)} {split} problems: "
+                   f"prompt over --max-prompt-tokens {max_tokens}")
+    return kept
+
+
+def prepare_out(cfg):
+    """Create --out and check that this process can write there, and that a fresh start would
+    not destroy an earlier run's results (unless --overwrite)."""
+    out = cfg.out
+    found = [name for name in RESULTS if os.path.exists(os.path.join(out, name))]
+    if found and not cfg.resume and not cfg.overwrite:
+        raise DataError(f"--out {out!r} holds an earlier run ({', '.join(found)}): pass --resume to continue it "
+                        "or --overwrite to replace it")
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".writable{parallel.rank()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise DataError(f"--out {out!r}: not writable ({e.strerror})") from None
+
+
+def load_policy_and_reference(cfg, resume_from: str | None, device):
+    """(tokenizer, policy, frozen reference). The tiny demo model is built once in OUT/tiny-init.
+    A resumed run reloads the policy from its checkpoint and the reference from OUT/reference
+    (written after SFT) or from the starting model; otherwise the reference is a copy of the
+    policy, which SFT (if any) then overwrites."""
+    name = ALIASES.get(cfg.model, cfg.model)
+    if name == "tiny":
+        name = os.path.join(cfg.out, "tiny-init")
+        if not resume_from and parallel.rank() == 0:
+            build_tiny_model(name, cfg.seed)
+        parallel.barrier()  # the other processes wait until it is written
+    tok, policy = load_model(resume_from or name, device, cfg.trust_remote_code)
+    if not resume_from:
+        return tok, policy, copy.deepcopy(policy)
+    ref_path = os.path.join(cfg.out, "reference") if cfg.sft_steps else name
+    return tok, policy, load_model(ref_path, device, cfg.trust_remote_code)[1]
