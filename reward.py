@@ -27,16 +27,18 @@ def extract_answer(text: str) -> str | None:
 
 
 def gsm8k_reward(completion: str, gold_answer: str) -> float:
-    """1.0 iff the predicted answer equals the gold one as strings (commas removed from the
-    prediction, case ignored); 0.0 otherwise, and for a missing answer. No float parsing and
-    never `eval`: '72.0', '$72' and '72 apples' are all wrong, as in the reference.
+    """1.0 iff the predicted answer equals the gold one as strings (thousands separators removed,
+    case ignored); 0.0 otherwise, and for a missing answer. No float parsing and never `eval`:
+    '72.0', '$72' and '72 apples' are all wrong, as in the reference.
     `gold_answer` may be the full GSM8K answer field (with '#### N') or the bare number."""
     gold = extract_answer(gold_answer)
     gold = gold_answer.strip() if gold is None else gold
     pred = extract_answer(completion)
     if pred is None:
         return 0.0
-    return float(pred.replace(",", "").lower() == gold.lower())
+    # The reference (§3.4) removes commas from the prediction only, so a gold answer written
+    # '#### 2,125' (14 of GSM8K's 1319 test problems) could never score: removed on both sides here.
+    return float(pred.replace(",", "").lower() == gold.replace(",", "").lower())
 
 
 def sft_target(answer: str) -> str:
