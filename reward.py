@@ -124,5 +124,23 @@ def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, sli
 
 
 def encode_prompt(tok, question: str) -> list[int]:
+    """BOS + the prompt's tokens: what sampling starts from (reference §3.2)."""
     ids = tok(PROMPT.format(question=question.strip()), add_special_tokens=False).input_ids
     return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
+
+
+def sft_example(tok, question: str, answer: str) -> tuple[list[int], int]:
+    """One SFT sequence, encode_prompt's ids + the response's ids + EOS (reference §3.3), and the
+    number of prompt ids. The response is tokenized as it follows the prompt, prompt and target
+    as one text: tokenized alone, a SentencePiece tokenizer would start it with a '▁' token that
+    the model never samples after 'Solution:'. If that joint tokenization does not split at the
+    prompt's end (a token such as ':\\n' in byte-level BPE spans it), the target is tokenized
+    alone, which for those tokenizers adds no prefix."""
+    prompt_ids, target = encode_prompt(tok, question), sft_target(answer)
+    prompt_text_ids = prompt_ids[1:] if tok.bos_token_id is not None else prompt_ids
+    joint = tok(PROMPT.format(question=question.strip()) + target, add_special_tokens=False).input_ids
+    if joint[: len(prompt_text_ids)] == prompt_text_ids:
+        response = joint[len(prompt_text_ids):]
+    else:
+        response = tok(target, add_special_tokens=False).input_ids
+    return prompt_ids + response + [tok.eos_token_id], len(prompt_ids)
