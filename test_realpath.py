@@ -1,13 +1,15 @@
-"""Tests of the real-data path: GSM8K's own answers, SFT targets with SentencePiece-style and
-byte-level tokenizers."""
+"""Tests of the real-data path: GSM8K's own answers, SentencePiece-style tokenization (step boundaries,
+SFT targets)."""
 import json
 import os
 
 import pytest
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerFast
 
 import checkpoint
+import vine
 from reward import PROMPT, arith_dataset, encode_prompt, gsm8k_reward, read_jsonl, sft_example, sft_target
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,6 +70,12 @@ def char_tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(path)
 
 
+def llama_response(tok, question: str, text: str) -> list[int]:
+    """`text` tokenized as it follows the prompt, as sampling sees it (sft_example), EOS dropped."""
+    ids, n_prompt = sft_example(tok, question, text[1:-1])  # sft_target adds the '\n' on each side
+    return ids[n_prompt:-1]
+
+
 # ---- 1. grading GSM8K's own answers --------------------------------------------------------
 
 def test_gold_answers_with_thousands_separators_score_one():
@@ -79,6 +87,64 @@ def test_gold_answers_with_thousands_separators_score_one():
     assert gsm8k_reward("... so 2,125 blocks.\n#### 2,125", "2,125") == 1.0
     assert gsm8k_reward("#### 2,126", "#### 2,125") == 0.0
     assert gsm8k_reward("#### 2.125", "#### 2,125") == 0.0  # a comma is a separator, never a decimal point
+
+
+# ---- 2. step boundaries from the decoded response ------------------------------------------
+
+def test_decoded_pieces_spell_the_decoded_response(llama_tok):
+    tok = llama_tok
+    byte_tokens = 0
+    for p in FIXTURE:
+        for text in (sft_target(p["answer"]), p["question"], " " + p["answer"] + " \n½ kg \n"):
+            ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+            byte_tokens += sum(t.startswith("<0x") and t != "<0x0A>" for t in tok.convert_ids_to_tokens(ids))
+            assert "".join(vine.decoded_pieces(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
+    assert byte_tokens > 50  # multi-byte characters (€, ½, ’) split over byte tokens were covered
+    # '½' = bytes C2 BD: the first byte adds nothing, the second the character
+    ids = tok("a½", add_special_tokens=False).input_ids
+    assert tok.convert_ids_to_tokens(ids)[-2:] == ["<0xC2>", "<0xBD>"]
+    assert vine.decoded_pieces(tok, ids)[-2:] == ["", "½"]
+
+
+def test_space_before_newline_old_boundary_one_token_early(llama_tok):
+    """A lone '▁' decodes to '' on its own, so the old per-token texts put the boundary on it;
+    its character is the space that ends the first line, so the step starts at the newline."""
+    tok = llama_tok
+    ids = llama_response(tok, FIXTURE[27]["question"], "\nShe sold 24 clips. \nIn all 72.\n#### 72\n")
+    tokens = tok.convert_ids_to_tokens(ids)
+    lone = [tok.decode([i], skip_special_tokens=True) for i in ids]  # the old way: each token alone
+    new, old = vine.response_step_starts(tok, ids), vine.step_starts(lone)
+    newline = tokens.index("<0x0A>", 1)  # the newline that opens step 2
+    assert tokens[newline - 1] == "▁" and lone[newline - 1] == ""
+    assert new == [0, newline] and old == [0, newline - 1]
+    assert [tok.decode(ids[a:b]) for a, b in zip(new, new[1:] + [len(ids)])] == \
+        ["\nShe sold 24 clips. ", "\nIn all 72.\n#### 72\n"]
+
+
+def test_boundaries_of_gold_solutions_fall_on_their_newlines(llama_tok):
+    """Every gold solution, and the same with a space ending each line (as a model may write it):
+    each step after the first starts at the newline token that opens it (reference §1.2)."""
+    tok = llama_tok
+    for p in FIXTURE:
+        gold = sft_target(p["answer"])  # '\n' + the solution without <<calculator>> notes + '\n'
+        for text in (gold, gold.replace("\n", " \n")[1:]):
+            ids = llama_response(tok, p["question"], text)
+            starts = vine.response_step_starts(tok, ids)
+            lines = text.split("\n####")[0].strip("\n").split("\n")  # a step each; the last holds the answer
+            assert len(starts) == len(lines)
+            assert all(tok.convert_ids_to_tokens(ids[s]) == "<0x0A>" for s in starts[1:])
+
+
+def test_char_level_boundaries_unchanged(char_tok):
+    """The demo's tokenizer: every token decodes alone to its character, so nothing moves."""
+    tok = char_tok
+    lone = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)
+    g = torch.Generator().manual_seed(0)
+    samples = [tok(sft_target(p["demonstration"]), add_special_tokens=False).input_ids + [tok.eos_token_id]
+               for p in arith_dataset(50, seed=1, slip=0.3)]
+    samples += [torch.randint(0, len(tok), (60,), generator=g).tolist() for _ in range(50)]  # specials too
+    for ids in samples:
+        assert vine.response_step_starts(tok, ids) == vine.step_starts([lone[i] for i in ids])
 
 
 # ---- 3. SFT examples tokenized as sampling sees them ---------------------------------------
