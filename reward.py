@@ -11,6 +11,7 @@ import random
 import re
 
 PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the reference's prompt, no trailing space
+STOP = "\n\n\nProblem:"  # the reference stops generation here: the model has begun inventing a next problem
 
 
 class DataError(ValueError):

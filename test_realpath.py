@@ -1,16 +1,18 @@
 """Tests of the real-data path: GSM8K's own answers, SentencePiece-style tokenization (step boundaries,
-SFT targets)."""
+SFT targets), the reference's stop string and context budget."""
 import json
 import os
 
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaTokenizer, PreTrainedTokenizerFast
 
 import checkpoint
+import rollout
 import vine
-from reward import PROMPT, arith_dataset, encode_prompt, gsm8k_reward, read_jsonl, sft_example, sft_target
+from reward import (PROMPT, STOP, arith_dataset, encode_prompt, gsm8k_reward, read_jsonl, sft_example,
+                    sft_target)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = read_jsonl(os.path.join(HERE, "fixtures", "gsm8k_sample.jsonl"))  # 55 real GSM8K problems
@@ -181,3 +183,85 @@ def test_sft_example_when_a_token_spans_the_prompt_end(byte_tok):
     ids, n_prompt = sft_example(tok, p["question"], p["answer"])
     assert ids[:n_prompt] == prompt_ids and ids[-1] == tok.eos_token_id
     assert tok.decode(ids[:-1]) == sft_text(p)
+
+
+# ---- 4. the stop string and the context budget ---------------------------------------------
+
+def test_cut_at_stop_hand_cases(llama_tok, char_tok, byte_tok):
+    for tok in (llama_tok, char_tok, byte_tok):
+        eos = tok.eos_token_id
+        enc = lambda text: tok(text, add_special_tokens=False).input_ids
+        kept = enc("\nA = 3.\n#### 3")
+        # HF stops at the token completing the stop string, which may run past it (':\n' in byte-level BPE)
+        for tail in ("\n\n\nProblem:",) + (("\n\n\nProblem:\n",) if tok is byte_tok else ()):
+            ids = enc("\nA = 3.\n#### 3" + tail)
+            assert ids[: len(kept)] == kept
+            assert rollout.cut_at_stop(tok, ids, STOP, eos) == kept + [eos]
+            assert rollout.cut_at_stop(tok, ids + [eos], STOP, eos) == kept + [eos]
+        assert rollout.cut_at_stop(tok, kept + [eos], STOP, eos) == kept + [eos]  # no stop string: unchanged
+        assert rollout.cut_at_stop(tok, kept, STOP, eos) == kept
+        assert rollout.cut_at_stop(tok, enc("\n\n\nProblem"), STOP, eos) == enc("\n\n\nProblem")
+        # a row that stopped, filled with EOS (rollout.decode) -> the kept tokens and EOS, finished
+        row = enc("\nA = 3.\n#### 3\n\n\nProblem:") + [eos] * 3
+        assert rollout.finish(row, 100, eos, tok, STOP) == (kept + [eos], True)
+        assert rollout.finish(row, len(kept) + 2, eos, tok, STOP) == (row[: len(kept) + 2], False)
+
+
+RUNAWAY = "\n5+3=8\n#### 8\n\n\nProblem:\nWhat is 1+1?\n\nSolution:\n1+1=2\n#### 2\n"
+
+
+@pytest.fixture(scope="module")
+def runaway_model(char_tok):
+    """A small model that learnt one response which runs on into an invented next problem."""
+    tok, threads = char_tok, torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    prompt = encode_prompt(tok, "What is 5+3?")
+    response = tok(RUNAWAY, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    ids = torch.tensor([prompt + response])
+    labels = ids.clone()
+    labels[0, : len(prompt)] = -100
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(300):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.02:
+            break
+    torch.set_num_threads(threads)
+    return model.eval(), prompt
+
+
+def test_stop_string_cuts_an_invented_next_problem(char_tok, runaway_model):
+    tok, (model, prompt) = char_tok, runaway_model
+    eos = tok.eos_token_id
+    gen = dict(temperature=0.0, top_p=1.0, eos_id=eos, pad_id=tok.pad_token_id)
+    runs_on, done = rollout.sample(model, [prompt], 2, [200], **gen)
+    assert tok.decode(runs_on[0][0], skip_special_tokens=True) == RUNAWAY and done == [[True, True]]
+    assert gsm8k_reward(RUNAWAY, "#### 8") == 0.0  # graded on the invented problem's '#### 2'
+    state = prompt + tok("\n5+3=8", add_special_tokens=False).input_ids  # a main rollout and an MC state
+    conts, done = rollout.sample(model, [prompt, state], 2, [200, 200], tokenizer=tok, stop=STOP, **gen)
+    assert conts[0] == [tok("\n5+3=8\n#### 8", add_special_tokens=False).input_ids + [eos]] * 2
+    assert conts[1] == [tok("\n#### 8", add_special_tokens=False).input_ids + [eos]] * 2
+    assert done == [[True, True], [True, True]]
+    assert gsm8k_reward(tok.decode(conts[0][0], skip_special_tokens=True), "#### 8") == 1.0
+    short, done = rollout.sample(model, [prompt], 1, [10], tokenizer=tok, stop=STOP, **gen)
+    assert len(short[0][0]) == 10 and done == [[False]]  # out of budget before any stop: unfinished
+
+
+def test_context_length_caps_the_budget():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    gen = dict(temperature=1.0, top_p=1.0, eos_id=40, pad_id=0)  # EOS outside the vocabulary: never sampled
+    prefixes = [[3] * 50, [4] * 10, [5] * 64, [6] * 70]
+    conts, done = rollout.sample(model, prefixes, 2, [100, 20, 100, 100], **gen)
+    # min(budget, 64 - prefix length): 14, 20, and nothing at all for prefixes that fill the context
+    assert [[len(c) for c in cs] for cs in conts] == [[14, 14], [20, 20], [0, 0], [0, 0]]
+    assert not any(f for fs in done for f in fs)
