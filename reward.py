@@ -18,6 +18,11 @@ class DataError(ValueError):
     """Bad input data: the message names the file, the line and what was expected."""
 
 
+def first_line(e: Exception) -> str:
+    """An exception in one line, for DataError messages (some hub errors span several)."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 # ---- grading (reference: tasks/gsm8k.py, use_original_format=True) --------------------------
 
 def extract_answer(text: str) -> str | None:
@@ -119,7 +124,12 @@ def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, sli
         return read_jsonl(data)
     if data == "gsm8k":
         from datasets import load_dataset  # imported here: the offline demo never needs it
-        rows = load_dataset("openai/gsm8k", "main", split=split)
+        try:
+            rows = load_dataset("openai/gsm8k", "main", split=split)
+        except Exception as e:  # offline, hub and cache errors all end here: one line, not a traceback
+            raise DataError(f"--data gsm8k: cannot load openai/gsm8k from the hub ({first_line(e)}); "
+                            "offline, point --data and --eval-data at local .jsonl files in GSM8K's format, "
+                            "one {\"question\": ..., \"answer\": ...} object per line") from None
         return [check_problem(r, f"openai/gsm8k[{split}][{i}]") for i, r in enumerate(rows)]
     raise DataError(f"--data {data!r}: expected 'arith', 'gsm8k' or a path ending in .jsonl")
 

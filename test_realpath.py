@@ -1,7 +1,9 @@
 """Tests of the real-data path: GSM8K's own answers, SentencePiece-style tokenization (step boundaries,
-SFT targets), the reference's stop string and context budget."""
+SFT targets), the reference's stop string and context budget, and offline errors."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -265,3 +267,18 @@ def test_context_length_caps_the_budget():
     # min(budget, 64 - prefix length): 14, 20, and nothing at all for prefixes that fill the context
     assert [[len(c) for c in cs] for cs in conts] == [[14, 14], [20, 20], [0, 0], [0, 0]]
     assert not any(f for fs in done for f in fs)
+
+
+# ---- 10. offline: one line, not a traceback -------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "rho-math-1.1b", "--data", "gsm8k"], "--data gsm8k: cannot load openai/gsm8k from the hub"),
+    (["--model", "rho-math-1.1b"], "--model 'realtreetune/rho-1b-sft-GSM8K': cannot load it"),
+])
+def test_offline_hub_model_or_data_fail_in_one_line(tmp_path, args, message):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args, "--out", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: " + message)
+    assert ".jsonl" in r.stderr if "--data" in message else "save_pretrained" in r.stderr
