@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 import parallel
 import value
-from reward import DataError
+from reward import DataError, first_line
 
 ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's SFT checkpoint
 
@@ -42,8 +42,9 @@ def load_model(name: str, device, trust_remote_code: bool = False):
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, trust_remote_code=trust_remote_code)
         model.to(device)
     except Exception as e:  # hub, network and format errors all end here: one line, not a traceback
-        raise DataError(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]}); expected 'tiny', "
-                        f"one of {sorted(ALIASES)}, a local directory or a reachable hub id") from None
+        raise DataError(f"--model {name!r}: cannot load it ({first_line(e)}); offline, point "
+                        "--model at a local directory written by save_pretrained (model and tokenizer); also "
+                        f"accepted: 'tiny', {', '.join(sorted(ALIASES))} or a reachable hub id") from None
     return tok, model
 
 

@@ -27,7 +27,7 @@ import torch
 import rollout
 import vine
 from checkpoint import load_critic, load_model
-from reward import encode_prompt, gsm8k_reward, load_problems
+from reward import STOP, encode_prompt, gsm8k_reward, load_problems
 
 
 def pairwise_accuracy(groups) -> float:
@@ -86,8 +86,7 @@ def main():
     tok, policy = load_model(a.checkpoint, device)
     critic = load_critic(a.checkpoint, device)
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)
-    gen = dict(temperature=a.temperature, top_p=a.top_p, eos_id=eos, pad_id=pad)
+    gen = dict(temperature=a.temperature, top_p=a.top_p, eos_id=eos, pad_id=pad, tokenizer=tok, stop=STOP)
     ks = [int(k) for k in a.k.split(",")]
     problems = random.Random(a.seed).sample(load_problems(a.data, "test", seed=a.seed), a.trajectories)
 
@@ -119,7 +118,7 @@ def main():
     for t, prob in enumerate(problems):
         prompt = encode_prompt(tok, prob["question"])
         resp = rollout.sample(policy, [prompt], 1, [a.max_new_tokens], **gen)[0][0][0]
-        starts = vine.step_starts([pieces[i] for i in resp])
+        starts = vine.response_step_starts(tok, resp)
         for i, b in enumerate(starts):
             rows.append({"trajectory": t, "step": i, "n_steps": len(starts), **estimate(prompt, resp[:b], prob["answer"])})
             if len(ranking[estimators[0]]) >= a.ranking_states:
@@ -128,7 +127,7 @@ def main():
             conts = rollout.sample(policy, [prompt + resp[:b]], a.alternatives, [a.max_new_tokens - b], **gen)[0][0]
             actions = set()
             for c in conts:
-                cut = vine.step_starts([pieces[x] for x in resp[:b] + c])
+                cut = vine.response_step_starts(tok, resp[:b] + c)
                 nxt = [s for s in cut if s > b]
                 actions.add(tuple((resp[:b] + c)[b: nxt[0]] if nxt else c))
             if len(actions) < 2:

@@ -11,10 +11,16 @@ import random
 import re
 
 PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the reference's prompt, no trailing space
+STOP = "\n\n\nProblem:"  # the reference stops generation here: the model has begun inventing a next problem
 
 
 class DataError(ValueError):
     """Bad input data: the message names the file, the line and what was expected."""
+
+
+def first_line(e: Exception) -> str:
+    """An exception in one line, for DataError messages (some hub errors span several)."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 # ---- grading (reference: tasks/gsm8k.py, use_original_format=True) --------------------------
@@ -27,16 +33,18 @@ def extract_answer(text: str) -> str | None:
 
 
 def gsm8k_reward(completion: str, gold_answer: str) -> float:
-    """1.0 iff the predicted answer equals the gold one as strings (commas removed from the
-    prediction, case ignored); 0.0 otherwise, and for a missing answer. No float parsing and
-    never `eval`: '72.0', '$72' and '72 apples' are all wrong, as in the reference.
+    """1.0 iff the predicted answer equals the gold one as strings (thousands separators removed,
+    case ignored); 0.0 otherwise, and for a missing answer. No float parsing and never `eval`:
+    '72.0', '$72' and '72 apples' are all wrong, as in the reference.
     `gold_answer` may be the full GSM8K answer field (with '#### N') or the bare number."""
     gold = extract_answer(gold_answer)
     gold = gold_answer.strip() if gold is None else gold
     pred = extract_answer(completion)
     if pred is None:
         return 0.0
-    return float(pred.replace(",", "").lower() == gold.lower())
+    # The reference (§3.4) removes commas from the prediction only, so a gold answer written
+    # '#### 2,125' (14 of GSM8K's 1319 test problems) could never score: removed on both sides here.
+    return float(pred.replace(",", "").lower() == gold.replace(",", "").lower())
 
 
 def sft_target(answer: str) -> str:
@@ -116,7 +124,12 @@ def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, sli
         return read_jsonl(data)
     if data == "gsm8k":
         from datasets import load_dataset  # imported here: the offline demo never needs it
-        rows = load_dataset("openai/gsm8k", "main", split=split)
+        try:
+            rows = load_dataset("openai/gsm8k", "main", split=split)
+        except Exception as e:  # offline, hub and cache errors all end here: one line, not a traceback
+            raise DataError(f"--data gsm8k: cannot load openai/gsm8k from the hub ({first_line(e)}); "
+                            "offline, point --data and --eval-data at local .jsonl files in GSM8K's format, "
+                            "one {\"question\": ..., \"answer\": ...} object per line") from None
         return [check_problem(r, f"openai/gsm8k[{split}][{i}]") for i, r in enumerate(rows)]
     raise DataError(f"--data {data!r}: expected 'arith', 'gsm8k' or a path ending in .jsonl")
 
@@ -129,5 +142,23 @@ def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world:
 
 
 def encode_prompt(tok, question: str) -> list[int]:
+    """BOS + the prompt's tokens: what sampling starts from (reference §3.2)."""
     ids = tok(PROMPT.format(question=question.strip()), add_special_tokens=False).input_ids
     return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
+
+
+def sft_example(tok, question: str, answer: str) -> tuple[list[int], int]:
+    """One SFT sequence, encode_prompt's ids + the response's ids + EOS (reference §3.3), and the
+    number of prompt ids. The response is tokenized as it follows the prompt, prompt and target
+    as one text: tokenized alone, a SentencePiece tokenizer would start it with a '▁' token that
+    the model never samples after 'Solution:'. If that joint tokenization does not split at the
+    prompt's end (a token such as ':\\n' in byte-level BPE spans it), the target is tokenized
+    alone, which for those tokenizers adds no prefix."""
+    prompt_ids, target = encode_prompt(tok, question), sft_target(answer)
+    prompt_text_ids = prompt_ids[1:] if tok.bos_token_id is not None else prompt_ids
+    joint = tok(PROMPT.format(question=question.strip()) + target, add_special_tokens=False).input_ids
+    if joint[: len(prompt_text_ids)] == prompt_text_ids:
+        response = joint[len(prompt_text_ids):]
+    else:
+        response = tok(target, add_special_tokens=False).input_ids
+    return prompt_ids + response + [tok.eos_token_id], len(prompt_ids)

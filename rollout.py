@@ -21,7 +21,7 @@ class Episode:
     response_ids: list[int]    # sampled tokens, EOS included when the policy stopped
     gold: str                  # the problem's answer field, for grading
     group: int                 # index of the prompt in this iteration's batch
-    finished: bool             # stopped on EOS within the token budget
+    finished: bool             # stopped (EOS or the stop string) within the token budget
     reward: float = 0.0
     step_starts: list[int] = field(default_factory=list)   # token index where each step starts
     values: list[float] = field(default_factory=list)      # V(s_0..s_{n-1}), s_0 = prompt only
@@ -104,31 +104,64 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     return ids, mask, forked
 
 
-def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top_p: float, eos_id: int, pad_id: int):
-    """HF `generate` on from fork()'s output: [n, new_tokens] new ids (temperature 0 = greedy)."""
+def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top_p: float, eos_id: int,
+           tokenizer=None, stop: str | None = None):
+    """HF `generate` on from fork()'s output: [n, new_tokens] new ids (temperature 0 = greedy).
+    A row also stops once its text reaches `stop` (HF's stop_strings, which needs the tokenizer).
+    Rows that stopped are filled with EOS, so every stopped row ends at its first EOS."""
     # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
     # synced_gpus=False: each process decodes on its own (with FSDP, HF would lock processes in step)
     out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=new_tokens,
-                         eos_token_id=eos_id, pad_token_id=pad_id, synced_gpus=False, **sampling)
+                         eos_token_id=eos_id, pad_token_id=eos_id, stop_strings=stop, tokenizer=tokenizer,
+                         synced_gpus=False, **sampling)
     return out[:, ids.shape[1]:]
+
+
+def cut_at_stop(tokenizer, seq: list[int], stop: str, eos_id: int) -> list[int]:
+    """When the text of `seq` (EOS aside) holds `stop`: the tokens before the one where `stop`
+    starts, then EOS, as the reference (§3.4) excludes the stop text from the output and appends
+    EOS to a response that stopped on it. Otherwise `seq` unchanged. HF stops a row at the token
+    that completes `stop`, so `stop` lies in the last len(stop) tokens (each adds >= 1 character)."""
+    body = seq[:-1] if seq and seq[-1] == eos_id else seq
+    text = lambda lo: tokenizer.decode(body[lo:], skip_special_tokens=True)
+    if stop not in text(max(0, len(body) - len(stop))):
+        return seq
+    start = len(body) - 1
+    while stop not in text(start):  # the last token whose text, with what follows, holds `stop`
+        start -= 1
+    return body[:start] + [eos_id]
+
+
+def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str | None = None):
+    """A generated row -> (continuation, finished): cut after its first EOS, to its budget and,
+    with `stop`, before the stop string. Finished: it ends with EOS (sampled or appended)."""
+    seq = (seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)[:budget]
+    seq = cut_at_stop(tokenizer, seq, stop, eos_id) if stop else seq
+    return seq, bool(seq) and seq[-1] == eos_id
 
 
 @torch.no_grad()
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temperature: float,
            top_p: float, eos_id: int, pad_id: int, cache=None, rows: list[int] | None = None,
-           max_batch_tokens: int = 65536):
+           max_batch_tokens: int = 65536, tokenizer=None, stop: str | None = None):
     """k continuations of every prefix, sampled with HF `generate` (temperature 0 = greedy).
 
     `cache` is the KV cache of a forward pass over a right-padded batch whose row rows[j]
     starts with prefixes[j]; without one, the prefixes are encoded here, once each, not once
-    per sample. Continuation j may use at most budgets[j] new tokens. Prefixes are decoded
-    together in batches of at most max_batch_tokens (rows x (prefix + budget)).
+    per sample. Continuation j may use at most min(budgets[j], context - len(prefixes[j])) new
+    tokens (reference §1.1: max_tokens = min(1024, context - prompt tokens)), the context being
+    model.config.max_position_embeddings. Prefixes are decoded together in batches of at most
+    max_batch_tokens (rows x (prefix + budget)). With `stop` (and its `tokenizer`), a continuation
+    whose text reaches `stop` is cut before it and ends with EOS (cut_at_stop).
     Returns (continuations, finished): for each prefix, k lists of new ids (EOS kept) and k
-    flags, True when EOS came within the budget."""
+    flags, True when EOS or the stop string came within the budget."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     device = next(model.parameters()).device
+    context = model.config.max_position_embeddings
+    budgets = [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
+    stopping = dict(tokenizer=tokenizer, stop=stop)
     gen = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id, max_batch_tokens=max_batch_tokens)
     if cache is None:  # encode the prefixes, once each, in groups that fit the budget; then fork
         group = max(1, max_batch_tokens // (k * (max(map(len, prefixes)) + max(budgets))))
@@ -137,7 +170,8 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
             part = prefixes[lo: lo + group]
             ids, mask = pad_right(part, pad_id, device)
             part_cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
-            c, d = sample(model, part, k, budgets[lo: lo + group], cache=part_cache, rows=list(range(len(part))), **gen)
+            c, d = sample(model, part, k, budgets[lo: lo + group], cache=part_cache,
+                          rows=list(range(len(part))), **gen, **stopping)
             conts, done = conts + c, done + d
         return conts, done
     was_training = model.training
@@ -151,15 +185,11 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
             chunk.append(order.pop())
         budget = budgets[chunk[0]]
         ids, mask, forked = fork(cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget, pad_id)
-        new = decode(model, ids, mask, forked, budget, temperature=temperature, top_p=top_p,
-                     eos_id=eos_id, pad_id=pad_id).tolist()
+        new = decode(model, ids, mask, forked, budget, temperature=temperature, top_p=top_p, eos_id=eos_id,
+                     **stopping).tolist() if budget > 0 else [[]] * (len(chunk) * k)
         for i, j in enumerate(chunk):
-            conts[j], done[j] = [], []
-            for seq in new[i * k:(i + 1) * k]:
-                seq = seq[: seq.index(eos_id) + 1] if eos_id in seq else seq
-                seq = seq[: budgets[j]]
-                conts[j].append(seq)
-                done[j].append(bool(seq) and seq[-1] == eos_id)
+            results = [finish(seq, budgets[j], eos_id, **stopping) for seq in new[i * k:(i + 1) * k]]
+            conts[j], done[j] = [c for c, _ in results], [f for _, f in results]
     model.train(was_training)
     return conts, done
 

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 import parallel
 import rollout
-from reward import sft_target
+from reward import sft_example
 
 
 def sft_warm_start(policy, tok, problems: list[dict], *, steps: int, lr: float, batch_size: int, seed: int,
@@ -24,12 +24,11 @@ def sft_warm_start(policy, tok, problems: list[dict], *, steps: int, lr: float, 
     optim = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     for step in tqdm(range(steps), desc="sft", disable=rank != 0):
         batch = rng.sample(problems, min(batch_size, len(problems)))[rank::world]
-        targets = [tok(sft_target(p.get("demonstration", p["answer"])), add_special_tokens=False).input_ids
-                   + [tok.eos_token_id] for p in batch]
-        ids, mask = rollout.pad_right([p["prompt_ids"] + t for p, t in zip(batch, targets)], rollout.pad_id(tok), device)
+        examples = [sft_example(tok, p["question"], p.get("demonstration", p["answer"])) for p in batch]
+        ids, mask = rollout.pad_right([seq for seq, _ in examples], rollout.pad_id(tok), device)
         labels = ids.masked_fill(mask == 0, -100)
-        for i, p in enumerate(batch):
-            labels[i, : len(p["prompt_ids"])] = -100  # the loss covers the response only
+        for i, (_, n_prompt) in enumerate(examples):
+            labels[i, :n_prompt] = -100  # the loss covers the response only
         for group in optim.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 20) * (1 - step / steps)
         # the token mean of the whole batch: each process's token sum over the global count, times

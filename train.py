@@ -31,7 +31,7 @@ import rollout
 import start
 import value
 import vine
-from reward import DataError, gsm8k_reward
+from reward import STOP, DataError, gsm8k_reward
 
 
 def arg(default, help, valid=None):
@@ -152,10 +152,10 @@ def main(cfg: Config):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     # data, models (SFT warm start, frozen reference, critic), optimizers; or all from --out's checkpoint
     tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
-    gen = dict(top_p=cfg.top_p, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok),
+    # sampling settings shared by rollouts, MC continuations and evaluation; the reference's stop string
+    gen = dict(top_p=cfg.top_p, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), tokenizer=tok, stop=STOP,
                max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens)
     grade = lambda response_ids, ep: gsm8k_reward(tok.decode(response_ids, skip_special_tokens=True), ep.gold)
-    pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)  # token id -> text
     if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
         accuracy = evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, 0)
         log(cfg.out, {"iteration": 0, "eval_accuracy": accuracy})
@@ -172,7 +172,7 @@ def main(cfg: Config):
             episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, grade,
                                                temperature=cfg.temperature, **gen)
         for ep in episodes:
-            ep.step_starts = vine.step_starts([pieces[i] for i in ep.response_ids])
+            ep.step_starts = vine.response_step_starts(tok, ep.response_ids)
         times = {"time_rollout": time.time() - t0}
 
         # 4-5. old log-probs and, from the same forward pass, the values; then the advantages

@@ -20,7 +20,8 @@ import rollout
 def step_starts(token_texts: list[str]) -> list[int]:
     """Token index where each reasoning step starts; the first step starts at 0.
 
-    The reference's GSM8K rule (tasks/gsm8k.py), applied to the text the tokens spell:
+    The reference's GSM8K rule (tasks/gsm8k.py), applied to the text the tokens spell
+    (token_texts[t]: the text token t adds to the decoded response, see decoded_pieces):
     a step opens at each '\\n' that starts a line; leading empty lines merge into the first
     step; with an answer ('\\n####'), the last non-empty line, any empty lines after it and
     the answer form one final step; a blank line in the middle is a step of its own. A token
@@ -44,6 +45,32 @@ def step_starts(token_texts: list[str]) -> list[int]:
             starts.append(t)
         step_of_prev, char = step, char + len(piece)
     return starts
+
+
+def decoded_pieces(tok, ids: list[int]) -> list[str]:
+    """The text each token adds to the decoded sequence, so that ''.join(pieces) is the text the
+    grader reads. A token decoded alone can differ: SentencePiece decoders strip the leading
+    space of a sequence, so a lone '▁' decodes to '', and one byte of a multi-byte character
+    decodes to '�'. Incremental detokenization (as in vLLM and TGI): decode a short window
+    ending at each token and keep what it adds; a token that leaves a character incomplete adds
+    '', and the token completing it adds the character. Two short decodes per token: O(T)."""
+    decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
+    pieces, start, read, shown = [], 0, 0, ""  # the window is ids[start:]; shown = its text up to read
+    for t in range(len(ids)):
+        text = decode(ids[start: t + 1], skip_special_tokens=True)
+        if len(text) > len(shown) and not text.endswith("\ufffd"):
+            pieces.append(text[len(shown):])
+            start, read = read, t + 1
+            shown = decode(ids[start:read], skip_special_tokens=True)
+        else:
+            pieces.append("")
+    return pieces
+
+
+def response_step_starts(tok, response_ids: list[int]) -> list[int]:
+    """step_starts of a sampled response, each token placed where its characters are in the
+    decoded response (reference pitfall 5: a token belongs to the step of its first character)."""
+    return step_starts(decoded_pieces(tok, response_ids))
 
 
 def step_advantages(values: list[float], reward: float) -> list[float]:
