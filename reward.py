@@ -97,7 +97,7 @@ def check_problem(row, where: str) -> dict:
 def read_jsonl(path: str) -> list[dict]:
     """Problems from a GSM8K-format .jsonl file, with errors that name the line."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is accepted
             lines = f.readlines()
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read ({e})") from None

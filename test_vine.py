@@ -486,6 +486,12 @@ def test_jsonl_errors_name_file_and_line(tmp_path, content, message):
         read_jsonl(str(bad))
 
 
+def test_jsonl_with_a_byte_order_mark_is_read(tmp_path):
+    data = tmp_path / "bom.jsonl"
+    data.write_bytes(b"\xef\xbb\xbf" + b'{"question": "q", "answer": "a\\n#### 1"}\n')
+    assert read_jsonl(str(data)) == [{"question": "q", "answer": "a\n#### 1"}]
+
+
 ADVERSARIAL = ["", "####", "#### ", "#" * 10_000, "9" * 100_000 + "\n#### " + "9" * 100_000, "####" * 5000,
                "#### \u0667\u0662", "#### \x00\x1b[31m72", "\ud800", "#### 7\u200b2", "#### ７２", "#### 72\r\n"]
 
