@@ -61,6 +61,59 @@ def test_autocast_context_and_defaults():
         precision.autocast(CPU, "fp16")
 
 
+# ---- B. the value head in fp32 --------------------------------------------------------------
+
+@pytest.mark.parametrize("head", value.HEADS)
+def test_critic_head_runs_in_fp32_under_autocast(model, head):
+    critic = value.Critic(copy.deepcopy(model.base_model), head)
+    torch.nn.init.normal_(critic.head.weight)  # the tracking head starts at zero: make it non-trivial
+    ids = torch.tensor(random_seqs([12, 12]))
+    mask, prompt_lens = torch.ones_like(ids), torch.tensor([4, 6])
+    with torch.no_grad(), bf16():
+        out = critic(ids, mask, prompt_lens)
+        values = critic.values(ids, mask, prompt_lens)
+        hidden = critic.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+    expected = F.linear(hidden.float(), critic.head.weight, critic.head.bias).squeeze(-1)  # fp32, no autocast
+    if head == "scalar":
+        expected = expected[:, :-1]
+    elif head == "tracking":
+        expected = value.tracking_logits(expected, prompt_lens)
+    assert out.dtype == values.dtype == torch.float32 and torch.equal(out, expected)
+    # what train.py's GAE does with them: fp32 rewards into a zeros_like(values) (bf16 values raised)
+    rewards = torch.tensor([1.0, 0.0])
+    torch.zeros_like(values).index_put_((torch.arange(2), torch.tensor([10, 10])), rewards)
+
+
+# ---- C. the BCE heads supervise the whole response too ---------------------------------------
+
+def test_response_states_add_the_state_after_the_last_action():
+    act = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    assert value.response_states(act).tolist() == [[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("head", ["tracking", "bce"])
+def test_bce_gradient_reaches_the_head_output_at_the_last_response_token(model, head):
+    """Zero head: z = 0 at every state, so dBCE/dz_t = (sigmoid(0) - y) / N = -+1/16 at each of the
+    N = (4 + 1) + (2 + 1) = 8 states. A tracking increment h_i collects the states t >= i."""
+    critic = value.Critic(copy.deepcopy(model.base_model), head)
+    torch.nn.init.zeros_(critic.head.weight)
+    outputs = []  # the head's output [B, L, 1], kept with its gradient
+    critic.head.register_forward_hook(lambda module, inputs, out: outputs.append(out) or out.retain_grad())
+    seqs = random_seqs([3 + 4, 2 + 2])  # prompt + response: 3 + 4 and 2 + 2 tokens
+    ids, mask = rollout.pad_right(seqs, 0)
+    prompt_lens, rewards = torch.tensor([3, 2]), torch.tensor([1.0, 0.0])
+    act = torch.zeros(2, 6)
+    act[0, 2:6], act[1, 1:3] = 1, 1  # actions: columns P-1 .. P+T-2
+    loss, _ = value.critic_loss(critic, critic(ids, mask, prompt_lens), None, None, rewards, act)
+    loss.backward()
+    grad = outputs[0].grad.squeeze(-1) * 16
+    if head == "tracking":  # b at P-1 takes every state; the last token (columns 6 and 3) only s_T
+        expected = [[0, 0, -5, -4, -3, -2, -1], [0, 3, 2, 1, 0, 0, 0]]
+    else:  # each state's own output; the whole response's state is at the last token
+        expected = [[0, 0, -1, -1, -1, -1, -1], [0, 1, 1, 1, 0, 0, 0]]
+    assert grad.tolist() == expected
+
+
 # ---- D. the reference computes as the policy does -------------------------------------------
 
 @pytest.mark.parametrize("tied", [False, True])
