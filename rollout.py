@@ -43,15 +43,30 @@ def pad_right(seqs: list[list[int]], pad_id: int, device=None):
     return ids.to(device), mask.to(device)
 
 
+LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax: at a 32k vocabulary, 128 MiB per fp32 copy
+
+
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
     """log pi(x_{t+1} | x_<=t) for t = 0..L-2: [B, L-1]. Logits are divided by the sampling
     temperature, because the policy that sampled was softmax(logits / T) (reference §2.3).
     With keep_cache, also returns the KV cache of this pass, for forking."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
-    logits = out.logits[:, :-1]                                              # [B, L-1, V]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # bf16 -> fp32
-    logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, L-1]
+    logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
     return logp, (out.cache if keep_cache else None)
+
+
+def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+    """log_softmax(logits / T)[target] at every position: logits [B, N, V], targets [B, N] -> [B, N],
+    in at least fp32. A few positions at a time: upcast, division and log-softmax of the whole
+    logits held two fp32 copies of them at once (8.4 GB at a 32k vocabulary and a 32k-token pass,
+    beside the logits). The log-softmax is per position: chunks give the numbers of one pass."""
+    step = max(1, chunk_tokens // logits.shape[0])
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32 (float64 stays)
+    pieces = []
+    for lo in range(0, logits.shape[1], step):
+        scaled = logits[:, lo: lo + step].to(dtype) / temperature
+        pieces.append(scaled.log_softmax(-1).gather(-1, targets[:, lo: lo + step, None]).squeeze(-1))
+    return torch.cat(pieces, 1)
 
 
 class PreallocatedLayer(DynamicLayer):

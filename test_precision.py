@@ -138,3 +138,39 @@ def test_reference_logprobs_equal_the_policy_under_autocast(tied):
 def test_fp32_leaves_the_reference_alone(model):
     ref = precision.cast_linear_weights(copy.deepcopy(model), "fp32")
     assert all(p.dtype == torch.float32 for p in ref.parameters())
+
+
+# ---- E. log-probs a few positions at a time -------------------------------------------------
+
+def test_chosen_logprobs_hand_example():
+    logits = torch.tensor([[[0.0, 3.0], [1.0, 1.0]]])  # temperature 1.5: softmax of [0, 2] and [2/3, 2/3]
+    logp = rollout.chosen_logprobs(logits, torch.tensor([[1, 0]]), 1.5, chunk_tokens=1)
+    assert logp[0].tolist() == pytest.approx([-math.log(1 + math.exp(-2)), math.log(0.5)], abs=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 1024])
+def test_chosen_logprobs_equal_the_whole_formula(dtype, chunk_tokens):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 37, 50, generator=g) * 4).to(dtype)
+    targets = torch.randint(0, 50, (3, 37), generator=g)
+    whole = (logits.float() / 0.6).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    chunked = rollout.chosen_logprobs(logits, targets, 0.6, chunk_tokens)
+    assert chunked.dtype == torch.float32 and torch.allclose(chunked, whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chosen_logprobs_transient_memory(dtype):
+    """The whole formula holds two vocabulary-sized fp32 copies at once beside the logits; chunks
+    of 128 positions out of 1024 hold a small fraction of that."""
+    logits, targets = torch.randn(2, 512, 1000).to(dtype), torch.randint(0, 1000, (2, 512))
+
+    def extra_peak(fn):
+        gc.collect()
+        with bench.LiveTensorBytes() as counter:
+            fn()
+        return counter.peak - logits.nbytes
+
+    whole = extra_peak(lambda: (logits.float() / 0.6).log_softmax(-1).gather(-1, targets[..., None]))
+    chunked = extra_peak(lambda: rollout.chosen_logprobs(logits, targets, 0.6, chunk_tokens=128))
+    assert whole >= 2 * 4 * logits.numel() and chunked < whole / 4
