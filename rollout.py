@@ -100,18 +100,29 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     ids = torch.full((len(ends), width), pad_id, device=device)  # [n*k, W]
     for j, p in enumerate(prefixes):
         ids[j * k:(j + 1) * k, width - len(p):] = torch.tensor(p, device=device)
-    mask = (torch.arange(width, device=device)[None, :] >= width - torch.tensor(ends, device=device)[:, None]).long()
+    starts = width - torch.tensor(ends, device=device)[:, None]  # first column of each prefix
+    mask = (torch.arange(width, device=device)[None, :] >= starts).long()
+    dtype = fork_dtype(cache.layers[0].values)
     forked = DynamicCache()
     for keys, values, *_ in cache:  # each [B, H, L, D]
         buffers = []
         for x in (keys, values):
-            buf = x.new_empty(len(ends), x.shape[1], width - 1 + new_tokens, x.shape[3])  # [n*k, H, W-1+new, D]
+            # [n*k, H, W-1+new, D]
+            buf = x.new_empty(len(ends), x.shape[1], width - 1 + new_tokens, x.shape[3], dtype=dtype)
             for i, e in enumerate(ends):  # block copies: far faster than one advanced-index gather
                 buf[i, :, : width - e] = 0  # masked, but must be finite (0 * NaN would leak through)
                 buf[i, :, width - e: width - 1] = x[rows[i // k], :, : e - 1]
             buffers.append(buf)
         forked.layers.append(PreallocatedLayer(*buffers, width - 1))
     return ids, mask, forked
+
+
+def fork_dtype(values: torch.Tensor) -> torch.dtype:
+    """One dtype for keys and values: the autocast dtype when autocast is on (the keys leave RoPE
+    in fp32, the values bf16, and attention casts both to bf16 at every step: a bf16 copy holds
+    what is used, in 2/3 of the memory), else the cache's own."""
+    device_type = values.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else values.dtype
 
 
 def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top_p: float, eos_id: int, pad_id: int):
@@ -160,9 +171,8 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
         while order and cost(chunk + order[-1:]) <= max_batch_tokens:
             chunk.append(order.pop())
         budget = budgets[chunk[0]]
-        ids, mask, forked = fork(cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget, pad_id)
-        new = decode(model, ids, mask, forked, budget, temperature=temperature, top_p=top_p,
-                     eos_id=eos_id, pad_id=pad_id).tolist()
+        new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
+                              temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
         for i, j in enumerate(chunk):
             conts[j], done[j] = [], []
             for seq in new[i * k:(i + 1) * k]:
@@ -172,6 +182,13 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
                 done[j].append(bool(seq) and seq[-1] == eos_id)
     model.train(was_training)
     return conts, done
+
+
+def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, **gen) -> list:
+    """New ids of k forks of each prefix, as lists. The fork buffers die on return, so that two
+    batches' buffers are never alive at once."""
+    ids, mask, forked = fork(cache, prefixes, rows, k, budget, gen["pad_id"])
+    return decode(model, ids, mask, forked, budget, **gen).tolist()
 
 
 def group_chunks(episodes, max_tokens: int):

@@ -174,3 +174,78 @@ def test_chosen_logprobs_transient_memory(dtype):
     whole = extra_peak(lambda: (logits.float() / 0.6).log_softmax(-1).gather(-1, targets[..., None]))
     chunked = extra_peak(lambda: rollout.chosen_logprobs(logits, targets, 0.6, chunk_tokens=128))
     assert whole >= 2 * 4 * logits.numel() and chunked < whole / 4
+
+
+# ---- F. fork buffers in one dtype; one batch of them alive at a time ------------------------
+
+def test_fork_buffers_take_the_autocast_dtype(model):
+    seqs = random_seqs([30, 17])
+    ids, mask = rollout.pad_right(seqs, 0)
+    for context, dtype in [(bf16, torch.bfloat16), (lambda: precision.autocast(CPU, "fp32"), torch.float32)]:
+        with torch.no_grad(), context():
+            _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+            _, _, forked = rollout.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5, pad_id=0)
+        assert {x.dtype for layer in forked.layers for x in (layer.keys, layer.values)} == {dtype}
+    assert cache.layers[0].keys.dtype == torch.float32  # the source cache: what the fork converts from
+
+
+def test_forked_logprobs_under_autocast_match_the_full_forward(model):
+    """The test_vine check (a fork's log-probs over three steps equal the full pass's) under bf16
+    autocast with bf16 buffers: equal to bf16 rounding, and the same greedy token."""
+    seqs = random_seqs([20, 9, 14], seed=2)
+    ids, mask = rollout.pad_right(seqs, 0)
+    rows, ends = [0, 2, 1, 0], [7, 11, 6, 16]
+    with torch.no_grad(), bf16():
+        full, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
+        fork_ids, attn, forked = rollout.fork(cache, prefixes, rows, 1, 3, pad_id=0)
+        for step in range(3):  # feed the true next tokens one at a time
+            last = torch.tensor([seqs[r][e - 1 + step] for r, e in zip(rows, ends)])[:, None]
+            positions = torch.tensor(ends)[:, None] - 1 + step
+            out = model(input_ids=last, attention_mask=attn, cache=forked, position_ids=positions)
+            out = out.logits[:, -1]
+            logp = out.float().log_softmax(-1)
+            for i, (r, e) in enumerate(zip(rows, ends)):
+                expected = full[r, e - 1 + step].item()
+                assert logp[i, seqs[r][e + step]].item() == pytest.approx(expected, abs=0.05)
+                assert out[i].argmax() == logits[r, e - 1 + step].argmax()
+            attn = torch.cat([attn, torch.ones(4, 1, dtype=attn.dtype)], 1)
+
+
+def test_forked_greedy_under_autocast_matches_reencoding(model):
+    seqs = random_seqs([30, 17, 25])
+    ids, mask = rollout.pad_right(seqs, 0)
+    prefixes, rows = [seqs[0][:12], seqs[1][:5], seqs[2][:25]], [0, 1, 2]
+    kw = dict(temperature=0.0, top_p=1.0, eos_id=2, pad_id=0)
+    with torch.no_grad(), bf16():
+        _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+        forked, _ = rollout.sample(model, prefixes, 2, [12] * 3, cache=cache, rows=rows, **kw)
+        for prefix, forks in zip(prefixes, forked):
+            alone = model.generate(torch.tensor([prefix]), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=2, pad_token_id=0)[0, len(prefix):].tolist()  # HF's own cache
+            alone = alone[: alone.index(2) + 1] if 2 in alone else alone
+            assert forks == [alone, alone] and len(set(alone)) > 1
+
+
+def sampling_peak(model, cache, n_prefixes, max_batch_tokens):
+    """Peak bytes of sampling 4 x 60 tokens from each of n_prefixes 18-token prefixes of cache's 4 rows."""
+    seqs, rows = random_seqs([20] * 4), [i % 4 for i in range(n_prefixes)]
+    prefixes = [seqs[r][:18] for r in rows]
+    gc.collect()
+    with bench.LiveTensorBytes() as counter:  # EOS out of the vocabulary: every row runs its full budget
+        rollout.sample(model, prefixes, 4, [60] * n_prefixes, cache=cache, rows=rows, temperature=1.0,
+                       top_p=1.0, eos_id=40, pad_id=0, max_batch_tokens=max_batch_tokens)
+    return counter.peak
+
+
+def test_two_batches_of_forks_peak_like_one(model):
+    """4 prefixes x k=4 x (18 + 60) tokens fill one batch; 8 prefixes make two such batches, whose
+    fork buffers (most of the memory here) must not be alive at once."""
+    ids, mask = rollout.pad_right(random_seqs([20] * 4), 0)
+    with torch.no_grad():
+        _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+    one = sampling_peak(model, cache, 4, 4 * 4 * 78)
+    two = sampling_peak(model, cache, 8, 4 * 4 * 78)
+    buffers = 2 * 2 * 16 * 2 * (17 + 60) * 16 * 4  # layers, (k, v), rows, kv heads, columns, head dim, fp32
+    assert one > buffers and two < one + buffers / 4
