@@ -89,31 +89,35 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int):
+FORK_METHODS = ("copy", "gather")
+
+
+def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
+         method: str = "copy"):
     """Reset the environment to each prefix, k times: prefix j is row rows[j] of the batch whose
     forward pass made `cache`. Returns left-padded ids [n*k, W], their attention mask, and a cache
     holding the keys/values of the first W-1 columns (right-aligned; padding columns zero and
     masked) in buffers with room for new_tokens more. The last column is left out of the cache:
-    `generate` feeds it to get the first new logits."""
+    `generate` feeds it to get the first new logits. method: "copy" (block copies per row, fast
+    on a CPU) or "gather" (one indexed read per tensor, for GPUs); the two give equal buffers."""
+    assert method in FORK_METHODS, method
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     ends = [len(p) for p in prefixes for _ in range(k)]
+    sources = [rows[i // k] for i in range(len(ends))]  # the cache row each fork reads
     ids = torch.full((len(ends), width), pad_id, device=device)  # [n*k, W]
     for j, p in enumerate(prefixes):
         ids[j * k:(j + 1) * k, width - len(p):] = torch.tensor(p, device=device)
     starts = width - torch.tensor(ends, device=device)[:, None]  # first column of each prefix
     mask = (torch.arange(width, device=device)[None, :] >= starts).long()
     dtype = fork_dtype(cache.layers[0].values)
+    if method == "gather":
+        index = gather_index(sources, ends, width, new_tokens, device)
+        make_buffer = lambda x: gathered_rows(x, *index, dtype)
+    else:
+        make_buffer = lambda x: copied_rows(x, sources, ends, width - 1 + new_tokens, dtype)
     forked = DynamicCache()
     for keys, values, *_ in cache:  # each [B, H, L, D]
-        buffers = []
-        for x in (keys, values):
-            # [n*k, H, W-1+new, D]
-            buf = x.new_empty(len(ends), x.shape[1], width - 1 + new_tokens, x.shape[3], dtype=dtype)
-            for i, e in enumerate(ends):  # block copies: far faster than one advanced-index gather
-                buf[i, :, : width - e] = 0  # masked, but must be finite (0 * NaN would leak through)
-                buf[i, :, width - e: width - 1] = x[rows[i // k], :, : e - 1]
-            buffers.append(buf)
-        forked.layers.append(PreallocatedLayer(*buffers, width - 1))
+        forked.layers.append(PreallocatedLayer(make_buffer(keys), make_buffer(values), width - 1))
     return ids, mask, forked
 
 
@@ -123,6 +127,35 @@ def fork_dtype(values: torch.Tensor) -> torch.dtype:
     what is used, in 2/3 of the memory), else the cache's own."""
     device_type = values.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else values.dtype
+
+
+def copied_rows(x, sources: list[int], ends: list[int], capacity: int, dtype) -> torch.Tensor:
+    """Buffer [n, H, capacity, D]: row i holds the first ends[i]-1 columns of x[sources[i]],
+    ending at column W-1 (W = max(ends)), zeros before them; the columns after are left unset."""
+    width = max(ends)
+    buf = x.new_empty(len(ends), x.shape[1], capacity, x.shape[3], dtype=dtype)
+    for i, (row, e) in enumerate(zip(sources, ends)):  # block copies: on a CPU far faster than a gather
+        buf[i, :, : width - e] = 0  # masked, but must be finite (0 * NaN would leak through)
+        buf[i, :, width - e: width - 1] = x[row, :, : e - 1]
+    return buf
+
+
+def gather_index(sources: list[int], ends: list[int], width: int, new_tokens: int, device):
+    """Where each buffer column reads from, for gathered_rows: the source rows [n, 1, 1] and columns
+    [n, 1, W-1+new] (column c of fork i reads column c - (W - ends[i]) of its row), and which
+    columns are left padding [n, 1, W-1+new, 1]."""
+    shift = width - torch.tensor(ends, device=device)[:, None]
+    cols = torch.arange(width - 1 + new_tokens, device=device)[None, :] - shift
+    rows = torch.tensor(sources, device=device)[:, None, None]
+    return rows, cols[:, None, :], (cols < 0)[:, None, :, None]
+
+
+def gathered_rows(x, rows, cols, padding, dtype) -> torch.Tensor:
+    """copied_rows' buffer in one indexed read of x [B, H, L, D] and one fill: a few large GPU
+    kernels per layer where the copies are several small ones per row."""
+    heads = torch.arange(x.shape[1], device=x.device)[None, :, None]
+    buf = x[rows, heads, cols.clamp(0, x.shape[2] - 1)].to(dtype)  # [n, H, W-1+new, D]
+    return buf.masked_fill_(padding, 0)  # left padding: masked, but must be finite
 
 
 def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top_p: float, eos_id: int, pad_id: int):
@@ -138,19 +171,21 @@ def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top
 @torch.no_grad()
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temperature: float,
            top_p: float, eos_id: int, pad_id: int, cache=None, rows: list[int] | None = None,
-           max_batch_tokens: int = 65536):
+           max_batch_tokens: int = 65536, fork_method: str = "copy"):
     """k continuations of every prefix, sampled with HF `generate` (temperature 0 = greedy).
 
     `cache` is the KV cache of a forward pass over a right-padded batch whose row rows[j]
     starts with prefixes[j]; without one, the prefixes are encoded here, once each, not once
     per sample. Continuation j may use at most budgets[j] new tokens. Prefixes are decoded
-    together in batches of at most max_batch_tokens (rows x (prefix + budget)).
+    together in batches of at most max_batch_tokens (rows x (prefix + budget)), forked with
+    fork_method (see fork).
     Returns (continuations, finished): for each prefix, k lists of new ids (EOS kept) and k
     flags, True when EOS came within the budget."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     device = next(model.parameters()).device
-    gen = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id, max_batch_tokens=max_batch_tokens)
+    decoding = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
+    gen = dict(decoding, max_batch_tokens=max_batch_tokens, fork_method=fork_method)
     if cache is None:  # encode the prefixes, once each, in groups that fit the budget; then fork
         group = max(1, max_batch_tokens // (k * (max(map(len, prefixes)) + max(budgets))))
         conts, done = [], []
@@ -172,7 +207,7 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
             chunk.append(order.pop())
         budget = budgets[chunk[0]]
         new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
-                              temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
+                              fork_method, **decoding)
         for i, j in enumerate(chunk):
             conts[j], done[j] = [], []
             for seq in new[i * k:(i + 1) * k]:
@@ -184,10 +219,10 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
     return conts, done
 
 
-def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, **gen) -> list:
+def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_method: str, **gen) -> list:
     """New ids of k forks of each prefix, as lists. The fork buffers die on return, so that two
     batches' buffers are never alive at once."""
-    ids, mask, forked = fork(cache, prefixes, rows, k, budget, gen["pad_id"])
+    ids, mask, forked = fork(cache, prefixes, rows, k, budget, gen["pad_id"], fork_method)
     return decode(model, ids, mask, forked, budget, **gen).tolist()
 
 

@@ -249,3 +249,26 @@ def test_two_batches_of_forks_peak_like_one(model):
     two = sampling_peak(model, cache, 8, 4 * 4 * 78)
     buffers = 2 * 2 * 16 * 2 * (17 + 60) * 16 * 4  # layers, (k, v), rows, kv heads, columns, head dim, fp32
     assert one > buffers and two < one + buffers / 4
+
+
+# ---- G. the gather fork equals the copying one ----------------------------------------------
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gather_fork_equals_copy_fork(model, autocast):
+    seqs = random_seqs([20, 9, 14], seed=2)
+    ids, mask = rollout.pad_right(seqs, 0)
+    rows, ends = [0, 2, 1, 0, 1], [7, 11, 6, 16, 9]
+    prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
+    with torch.no_grad(), (bf16() if autocast else precision.autocast(CPU, "fp32")):
+        _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+        copied = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
+        gathered = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
+        kw = dict(temperature=0.0, top_p=1.0, eos_id=2, pad_id=0, cache=cache, rows=rows)
+        samples = [rollout.sample(model, prefixes, 2, [6] * 5, fork_method=method, **kw)
+                   for method in rollout.FORK_METHODS]
+    assert samples[0] == samples[1]
+    assert torch.equal(copied[0], gathered[0]) and torch.equal(copied[1], gathered[1])
+    for a, b in zip(copied[2].layers, gathered[2].layers):  # the W-1 cached columns (decoding fills the rest)
+        assert a.keys.shape == b.keys.shape == (15, 2, 15, 16)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert a.key_buffer.shape == b.key_buffer.shape and a.keys.dtype == b.keys.dtype
