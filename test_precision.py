@@ -272,3 +272,23 @@ def test_gather_fork_equals_copy_fork(model, autocast):
         assert a.keys.shape == b.keys.shape == (15, 2, 15, 16)
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert a.key_buffer.shape == b.key_buffer.shape and a.keys.dtype == b.keys.dtype
+
+
+# ---- the whole run in bf16 --------------------------------------------------------------------
+
+@pytest.mark.parametrize("algo, extra", [("vineppo", []), ("ppo", []), ("tppo", []), ("grpo", []),
+                                         ("ppo", ["--value-head", "bce"])],
+                         ids=["vineppo", "ppo", "tppo", "grpo", "ppo-bce"])
+def test_each_algo_runs_in_bf16_on_cpu(tmp_path, algo, extra):
+    args = ["--precision", "bf16", "--algo", algo, "--out", str(tmp_path), *SMALL, *extra]
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], cwd=HERE,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [row["iteration"] for row in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["nonfinite_skips"] == 0 and "policy_loss" in row and row["kl"] >= 0
+        assert ("value_loss" in row) == (algo in ("ppo", "tppo"))
+        assert (row["mc_states"] > 0) == (algo == "vineppo")
+    state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["config"]["precision"] == "bf16"

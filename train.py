@@ -17,7 +17,6 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +24,7 @@ from tqdm import tqdm
 
 import parallel
 import ppo
+import precision
 import rollout
 import value
 import vine
@@ -81,6 +81,7 @@ class Config:
     max_batch_tokens: int = arg(524288, "memory budget of one generation batch: rows x (prefix + new tokens)")
     forward_batch_tokens: int = arg(32768, "memory budget of one log-prob / value forward pass, in tokens")
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'")
+    precision: str = arg("", "fp32 | bf16 (bf16 autocast over fp32 weights); default: bf16 on CUDA, fp32 on CPU")
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: only transformers' own architectures)")
     gradient_checkpointing: bool = arg(False, "recompute each layer's activations in backward: less memory, slower "
@@ -108,6 +109,8 @@ def parse_args(argv=None) -> Config:
     if cfg.algo not in ALGOS:
         p.error(f"--algo {cfg.algo!r}: expected one of {', '.join(ALGOS)}")
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
+    if cfg.precision and cfg.precision not in precision.PRECISIONS:
+        p.error(f"--precision {cfg.precision!r}: expected one of {', '.join(precision.PRECISIONS)}")
     if cfg.algo in ("ppo", "tppo") and cfg.value_head not in value.HEADS:
         p.error(f"--value-head {cfg.value_head!r}: expected one of {', '.join(value.HEADS)}")
     return cfg
@@ -125,7 +128,8 @@ def main(cfg: Config):
     main_process = rank == 0
     random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)  # processes sample different responses
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else nullcontext()  # fp32 master weights
+    cfg.precision = cfg.precision or precision.default_precision(device)
+    autocast = precision.autocast(device, cfg.precision)  # fp32 master weights
     try:
         os.makedirs(cfg.out, exist_ok=True)
         probe = os.path.join(cfg.out, f".writable{rank}")
@@ -159,7 +163,8 @@ def main(cfg: Config):
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pieces = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)  # token id -> text
-    gen = dict(temperature=cfg.temperature, top_p=cfg.top_p, eos_id=eos, pad_id=pad, max_batch_tokens=cfg.max_batch_tokens)
+    gen = dict(temperature=cfg.temperature, top_p=cfg.top_p, eos_id=eos, pad_id=pad, max_batch_tokens=cfg.max_batch_tokens,
+               fork_method="gather" if on_gpu else "copy")
     for split in (train_set, eval_set):
         for p in split:
             p["prompt_ids"] = encode_prompt(tok, p["question"])
@@ -229,8 +234,7 @@ def main(cfg: Config):
         if cfg.gradient_checkpointing:  # the critic's backbone too (a reloaded one does not carry it)
             critic.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     ref.eval().requires_grad_(False)
-    if on_gpu:
-        ref.to(torch.bfloat16)
+    precision.cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
     # the modules the update calls: DDP wrappers, or (--fsdp) policy and critic sharded in place
     train_policy, train_critic = parallel.wrap(policy, cfg.fsdp, device), (
         parallel.wrap(critic, cfg.fsdp, device) if critic is not None else None)
