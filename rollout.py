@@ -97,9 +97,10 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     """Reset the environment to each prefix, k times: prefix j is row rows[j] of the batch whose
     forward pass made `cache`. Returns left-padded ids [n*k, W], their attention mask, and a cache
     holding the keys/values of the first W-1 columns (right-aligned; padding columns zero and
-    masked) in buffers with room for new_tokens more. The last column is left out of the cache:
-    `generate` feeds it to get the first new logits. method: "copy" (block copies per row, fast
-    on a CPU) or "gather" (one indexed read per tensor, for GPUs); the two give equal buffers."""
+    masked) in buffers of one dtype (fork_dtype) with room for new_tokens more. The last column
+    is left out of the cache: `generate` feeds it to get the first new logits. method: "copy"
+    (block copies per row, fast on a CPU) or "gather" (one indexed read per tensor, for GPUs);
+    the two give equal buffers."""
     assert method in FORK_METHODS, method
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     ends = [len(p) for p in prefixes for _ in range(k)]
