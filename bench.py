@@ -5,13 +5,16 @@
     python bench.py --threads 1            # on a CPU shared with another job (else threads spin)
 
 VinePPO estimates V(s) at several states (prefixes) of every sampled trajectory by sampling
-K continuations from each. This script times four ways to produce all of them, with the same
+K continuations from each. This script times five ways to produce all of them, with the same
 token counts (trajectories x states x K continuations of exactly --new-tokens tokens each):
 
   1. naive        every state on its own: re-encode its prefix, sample K continuations;
   2. fork-each    one fork + sample call per state, from the KV cache of the log-prob forward
                   pass over the whole trajectories;
   3. fork-batch   the same cache, ONE sample call over all states (what training does);
+     fork-gather  the same, the forks built by one indexed read per layer (fork method "gather",
+                  meant for GPUs) instead of block copies per row; its "x fork-batch" column is
+                  the ratio of the two;
   4. decode-only  the floor: one prefix of the mean state length, encoded outside the timer, copied
                   into as many cache rows (HF attention needs one per sequence) and decoded in
                   one batch: no way of producing the continuations with HF generate can beat it.
@@ -164,9 +167,9 @@ def speed(a) -> dict:
         for prefix, row in zip(prefixes, rows):
             rollout.sample(model, [prefix], a.k, [a.new_tokens], cache=cache, rows=[row], **gen)
 
-    def fork_batch(cache):
+    def fork_batch(cache, method="copy"):
         out, done = rollout.sample(model, prefixes, a.k, budgets, cache=cache, rows=rows,
-                                   max_batch_tokens=a.max_batch_tokens, **gen)
+                                   max_batch_tokens=a.max_batch_tokens, fork_method=method, **gen)
         assert sum(len(c) for cs in out for c in cs) == n_tokens and not any(map(any, done))
 
     mean_len = round(sum(map(len, prefixes)) / len(prefixes))
@@ -180,6 +183,7 @@ def speed(a) -> dict:
                        rows=[0] * len(prefixes), max_batch_tokens=1 << 62, **gen)
 
     methods = {"naive": (naive, lambda: ()), "fork-each": (fork_each, forward), "fork-batch": (fork_batch, forward),
+               "fork-gather": (lambda cache: fork_batch(cache, "gather"), forward),
                "decode-only": (decode_only, lambda: ()), "forward": (forward, lambda: ())}
 
     names = list(methods)
@@ -206,6 +210,7 @@ def speed(a) -> dict:
     print(f"total benchmark time {time.perf_counter() - start:.1f} s")
     return {"speedup_vs_naive": med["naive"] / med["fork-batch"],
             "overhead_vs_decode_only": med["fork-batch"] / med["decode-only"],
+            "gather_vs_copy": med["fork-gather"] / med["fork-batch"],
             "median_s": med, "continuation_tokens": n_tokens, "params": n_params, "mean_state_len": mean_len}
 
 

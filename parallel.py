@@ -5,6 +5,7 @@ In a single process every function here is the identity or a plain call.
 """
 import os
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,10 @@ def init(device: torch.device):
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+        # While the first process writes a checkpoint (~26 GB for PPO at 1.1B: fp32 weights and AdamW
+        # states of policy and critic), the others wait in their next collective; NCCL's default
+        # timeout, 10 minutes, would end the run on a slow disk. One hour is ~7 MB/s.
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=60),
                                 device_id=device if device.type == "cuda" else None)
     return rank, world, device
 

@@ -48,15 +48,30 @@ def pad_right(seqs: list[list[int]], pad_id: int, device=None):
     return ids.to(device), mask.to(device)
 
 
+LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax: at a 32k vocabulary, 128 MiB per fp32 copy
+
+
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
     """log pi(x_{t+1} | x_<=t) for t = 0..L-2: [B, L-1]. Logits are divided by the sampling
     temperature, because the policy that sampled was softmax(logits / T) (reference §2.3).
     With keep_cache, also returns the KV cache of this pass, for forking."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
-    logits = out.logits[:, :-1]                                              # [B, L-1, V]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # bf16 -> fp32
-    logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, L-1]
+    logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
     return logp, (out.cache if keep_cache else None)
+
+
+def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+    """log_softmax(logits / T)[target] at every position: logits [B, N, V], targets [B, N] -> [B, N],
+    in at least fp32. A few positions at a time: upcast, division and log-softmax of the whole
+    logits held two fp32 copies of them at once (8.4 GB at a 32k vocabulary and a 32k-token pass,
+    beside the logits). The log-softmax is per position: chunks give the numbers of one pass."""
+    step = max(1, chunk_tokens // logits.shape[0])
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32 (float64 stays)
+    pieces = []
+    for lo in range(0, logits.shape[1], step):
+        scaled = logits[:, lo: lo + step].to(dtype) / temperature
+        pieces.append(scaled.log_softmax(-1).gather(-1, targets[:, lo: lo + step, None]).squeeze(-1))
+    return torch.cat(pieces, 1)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -79,29 +94,74 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int):
+FORK_METHODS = ("copy", "gather")
+
+
+def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
+         method: str = "copy"):
     """Reset the environment to each prefix, k times: prefix j is row rows[j] of the batch whose
     forward pass made `cache`. Returns left-padded ids [n*k, W], their attention mask, and a cache
     holding the keys/values of the first W-1 columns (right-aligned; padding columns zero and
-    masked) in buffers with room for new_tokens more. The last column is left out of the cache:
-    `generate` feeds it to get the first new logits."""
+    masked) in buffers of one dtype (fork_dtype) with room for new_tokens more. The last column
+    is left out of the cache: `generate` feeds it to get the first new logits. method: "copy"
+    (block copies per row, fast on a CPU) or "gather" (one indexed read per tensor, for GPUs);
+    the two give equal buffers."""
+    assert method in FORK_METHODS, method
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     ends = [len(p) for p in prefixes for _ in range(k)]
+    sources = [rows[i // k] for i in range(len(ends))]  # the cache row each fork reads
     ids = torch.full((len(ends), width), pad_id, device=device)  # [n*k, W]
     for j, p in enumerate(prefixes):
         ids[j * k:(j + 1) * k, width - len(p):] = torch.tensor(p, device=device)
-    mask = (torch.arange(width, device=device)[None, :] >= width - torch.tensor(ends, device=device)[:, None]).long()
+    starts = width - torch.tensor(ends, device=device)[:, None]  # first column of each prefix
+    mask = (torch.arange(width, device=device)[None, :] >= starts).long()
+    dtype = fork_dtype(cache.layers[0].values)
+    if method == "gather":
+        index = gather_index(sources, ends, width, new_tokens, device)
+        make_buffer = lambda x: gathered_rows(x, *index, dtype)
+    else:
+        make_buffer = lambda x: copied_rows(x, sources, ends, width - 1 + new_tokens, dtype)
     forked = DynamicCache()
     for keys, values, *_ in cache:  # each [B, H, L, D]
-        buffers = []
-        for x in (keys, values):
-            buf = x.new_empty(len(ends), x.shape[1], width - 1 + new_tokens, x.shape[3])  # [n*k, H, W-1+new, D]
-            for i, e in enumerate(ends):  # block copies: far faster than one advanced-index gather
-                buf[i, :, : width - e] = 0  # masked, but must be finite (0 * NaN would leak through)
-                buf[i, :, width - e: width - 1] = x[rows[i // k], :, : e - 1]
-            buffers.append(buf)
-        forked.layers.append(PreallocatedLayer(*buffers, width - 1))
+        forked.layers.append(PreallocatedLayer(make_buffer(keys), make_buffer(values), width - 1))
     return ids, mask, forked
+
+
+def fork_dtype(values: torch.Tensor) -> torch.dtype:
+    """One dtype for keys and values: the autocast dtype when autocast is on (the keys leave RoPE
+    in fp32, the values bf16, and attention casts both to bf16 at every step: a bf16 copy holds
+    what is used, in 2/3 of the memory), else the cache's own."""
+    device_type = values.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else values.dtype
+
+
+def copied_rows(x, sources: list[int], ends: list[int], capacity: int, dtype) -> torch.Tensor:
+    """Buffer [n, H, capacity, D]: row i holds the first ends[i]-1 columns of x[sources[i]],
+    ending at column W-1 (W = max(ends)), zeros before them; the columns after are left unset."""
+    width = max(ends)
+    buf = x.new_empty(len(ends), x.shape[1], capacity, x.shape[3], dtype=dtype)
+    for i, (row, e) in enumerate(zip(sources, ends)):  # block copies: on a CPU far faster than a gather
+        buf[i, :, : width - e] = 0  # masked, but must be finite (0 * NaN would leak through)
+        buf[i, :, width - e: width - 1] = x[row, :, : e - 1]
+    return buf
+
+
+def gather_index(sources: list[int], ends: list[int], width: int, new_tokens: int, device):
+    """Where each buffer column reads from, for gathered_rows: the source rows [n, 1, 1] and columns
+    [n, 1, W-1+new] (column c of fork i reads column c - (W - ends[i]) of its row), and which
+    columns are left padding [n, 1, W-1+new, 1]."""
+    shift = width - torch.tensor(ends, device=device)[:, None]
+    cols = torch.arange(width - 1 + new_tokens, device=device)[None, :] - shift
+    rows = torch.tensor(sources, device=device)[:, None, None]
+    return rows, cols[:, None, :], (cols < 0)[:, None, :, None]
+
+
+def gathered_rows(x, rows, cols, padding, dtype) -> torch.Tensor:
+    """copied_rows' buffer in one indexed read of x [B, H, L, D] and one fill: a few large GPU
+    kernels per layer where the copies are several small ones per row."""
+    heads = torch.arange(x.shape[1], device=x.device)[None, :, None]
+    buf = x[rows, heads, cols.clamp(0, x.shape[2] - 1)].to(dtype)  # [n, H, W-1+new, D]
+    return buf.masked_fill_(padding, 0)  # left padding: masked, but must be finite
 
 
 def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top_p: float, eos_id: int,
@@ -144,7 +204,7 @@ def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str |
 @torch.no_grad()
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temperature: float,
            top_p: float, eos_id: int, pad_id: int, cache=None, rows: list[int] | None = None,
-           max_batch_tokens: int = 65536, tokenizer=None, stop: str | None = None):
+           max_batch_tokens: int = 65536, tokenizer=None, stop: str | None = None, fork_method: str = "copy"):
     """k continuations of every prefix, sampled with HF `generate` (temperature 0 = greedy).
 
     `cache` is the KV cache of a forward pass over a right-padded batch whose row rows[j]
@@ -152,8 +212,9 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
     per sample. Continuation j may use at most min(budgets[j], context - len(prefixes[j])) new
     tokens (reference §1.1: max_tokens = min(1024, context - prompt tokens)), the context being
     model.config.max_position_embeddings. Prefixes are decoded together in batches of at most
-    max_batch_tokens (rows x (prefix + budget)). With `stop` (and its `tokenizer`), a continuation
-    whose text reaches `stop` is cut before it and ends with EOS (cut_at_stop).
+    max_batch_tokens (rows x (prefix + budget)), forked with fork_method (see fork). With `stop`
+    (and its `tokenizer`), a continuation whose text reaches `stop` is cut before it and ends
+    with EOS (cut_at_stop).
     Returns (continuations, finished): for each prefix, k lists of new ids (EOS kept) and k
     flags, True when EOS or the stop string came within the budget."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
@@ -162,7 +223,8 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
     context = model.config.max_position_embeddings
     budgets = [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
     stopping = dict(tokenizer=tokenizer, stop=stop)
-    gen = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id, max_batch_tokens=max_batch_tokens)
+    decoding = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, **stopping)
+    gen = dict(decoding, pad_id=pad_id, max_batch_tokens=max_batch_tokens, fork_method=fork_method)
     if cache is None:  # encode the prefixes, once each, in groups that fit the budget; then fork
         group = max(1, max_batch_tokens // (k * (max(map(len, prefixes)) + max(budgets))))
         conts, done = [], []
@@ -171,7 +233,7 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
             ids, mask = pad_right(part, pad_id, device)
             part_cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
             c, d = sample(model, part, k, budgets[lo: lo + group], cache=part_cache,
-                          rows=list(range(len(part))), **gen, **stopping)
+                          rows=list(range(len(part))), **gen)
             conts, done = conts + c, done + d
         return conts, done
     was_training = model.training
@@ -184,9 +246,8 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
         while order and cost(chunk + order[-1:]) <= max_batch_tokens:
             chunk.append(order.pop())
         budget = budgets[chunk[0]]
-        ids, mask, forked = fork(cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget, pad_id)
-        new = decode(model, ids, mask, forked, budget, temperature=temperature, top_p=top_p, eos_id=eos_id,
-                     **stopping).tolist() if budget > 0 else [[]] * (len(chunk) * k)
+        new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
+                              fork_method, pad_id, **decoding) if budget > 0 else [[]] * (len(chunk) * k)
         for i, j in enumerate(chunk):
             results = [finish(seq, budgets[j], eos_id, **stopping) for seq in new[i * k:(i + 1) * k]]
             conts[j], done[j] = [c for c, _ in results], [f for _, f in results]
@@ -214,6 +275,14 @@ def reference_logprobs(ref, episodes, *, temperature: float, pad_id: int, forwar
             logp, _ = token_logprobs(ref, ids, mask, temperature)
         for ep, lp in zip(chunk, per_response(logp, chunk)):
             ep.ref_logp = lp
+
+
+def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_method: str, pad_id: int,
+                    **decoding) -> list:
+    """New ids of k forks of each prefix, as lists. The fork buffers die on return, so that two
+    batches' buffers are never alive at once."""
+    ids, mask, forked = fork(cache, prefixes, rows, k, budget, pad_id, fork_method)
+    return decode(model, ids, mask, forked, budget, **decoding).tolist()
 
 
 def group_chunks(episodes, max_tokens: int):

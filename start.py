@@ -5,11 +5,11 @@ import copy
 import math
 import os
 
-import torch
 from tqdm import tqdm
 
 import parallel
 import ppo
+import precision
 import reward
 import sft
 import value
@@ -46,8 +46,7 @@ def start_run(cfg, device, autocast):
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
             critic.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     ref.eval().requires_grad_(False)
-    if device.type == "cuda":
-        ref.to(torch.bfloat16)
+    precision.cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
     # one AdamW state and LR schedule per trained model, kept across iterations (reference pitfall 12)
     total = cfg.iterations * cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
     learners = [ppo.make_learner(model, lr, total, int(cfg.warmup * total), cfg.fsdp, device)

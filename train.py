@@ -17,7 +17,6 @@ import random
 import re
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +25,7 @@ from tqdm import tqdm
 import checkpoint
 import parallel
 import ppo
+import precision
 import reward
 import rollout
 import start
@@ -101,6 +101,8 @@ class Config:
     forward_batch_tokens: int = arg(32768, "memory budget of one log-prob / value forward pass, in tokens",
                                     at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
+    precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights (default: bf16 on CUDA, fp32 on CPU)",
+                         one_of("", *precision.PRECISIONS))
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, replacing its results")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: transformers' own architectures)")
@@ -149,12 +151,14 @@ def main(cfg: Config):
                             f"must be divisible by the {world} processes")
     random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)  # processes sample different responses
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    cfg.precision = cfg.precision or precision.default_precision(device)
+    autocast = precision.autocast(device, cfg.precision)  # every forward pass; fp32 master weights
     # data, models (SFT warm start, frozen reference, critic), optimizers; or all from --out's checkpoint
     tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
     # sampling settings shared by rollouts, MC continuations and evaluation; the reference's stop string
     gen = dict(top_p=cfg.top_p, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), tokenizer=tok, stop=STOP,
-               max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens)
+               max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens,
+               fork_method="gather" if device.type == "cuda" else "copy")  # see rollout.fork
     grade = lambda response_ids, ep: gsm8k_reward(tok.decode(response_ids, skip_special_tokens=True), ep.gold)
     if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
         accuracy = evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, 0)

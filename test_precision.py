@@ -1,0 +1,294 @@
+"""Tests of the bf16 path (autocast over fp32 weights), run on a CPU through CPU autocast: the
+value head in fp32, the supervised last state of the BCE heads, a reference that computes as
+the policy does, chunked log-probs, fork buffers in one dtype and their gather variant."""
+import copy
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import bench
+from test_vine import SMALL  # the tiny settings of test_vine's smoke runs
+import ppo
+import precision
+import rollout
+import value
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CPU = torch.device("cpu")
+
+
+def bf16():
+    return precision.autocast(CPU, "bf16")
+
+
+def llama(tied=False, seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         tie_word_embeddings=tied)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llama()
+
+
+def random_seqs(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 40, (n,), generator=g).tolist() for n in lengths]
+
+
+# ---- A. the precision setting -------------------------------------------------------------
+
+def test_autocast_context_and_defaults():
+    with precision.autocast(CPU, "bf16"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with precision.autocast(CPU, "fp32"):
+        assert not torch.is_autocast_enabled("cpu")
+    assert precision.default_precision(torch.device("cuda")) == "bf16"
+    assert precision.default_precision(CPU) == "fp32"
+    with pytest.raises(AssertionError):
+        precision.autocast(CPU, "fp16")
+
+
+# ---- B. the value head in fp32 --------------------------------------------------------------
+
+@pytest.mark.parametrize("head", value.HEADS)
+def test_critic_head_runs_in_fp32_under_autocast(model, head):
+    critic = value.Critic(copy.deepcopy(model.base_model), head)
+    torch.nn.init.normal_(critic.head.weight)  # the tracking head starts at zero: make it non-trivial
+    ids = torch.tensor(random_seqs([12, 12]))
+    mask, prompt_lens = torch.ones_like(ids), torch.tensor([4, 6])
+    with torch.no_grad(), bf16():
+        out = critic(ids, mask, prompt_lens)
+        values = critic.values(ids, mask, prompt_lens)
+        hidden = critic.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+    expected = F.linear(hidden.float(), critic.head.weight, critic.head.bias).squeeze(-1)  # fp32, no autocast
+    if head == "scalar":
+        expected = expected[:, :-1]
+    elif head == "tracking":
+        expected = value.tracking_logits(expected, prompt_lens)
+    assert out.dtype == values.dtype == torch.float32 and torch.equal(out, expected)
+    # what train.py's GAE does with them: fp32 rewards into a zeros_like(values) (bf16 values raised)
+    rewards = torch.tensor([1.0, 0.0])
+    torch.zeros_like(values).index_put_((torch.arange(2), torch.tensor([10, 10])), rewards)
+
+
+# ---- C. the BCE heads supervise the whole response too ---------------------------------------
+
+def test_response_states_add_the_state_after_the_last_action():
+    act = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    assert value.response_states(act).tolist() == [[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("head", ["tracking", "bce"])
+def test_bce_gradient_reaches_the_head_output_at_the_last_response_token(model, head):
+    """Zero head: z = 0 at every state, so dBCE/dz_t = (sigmoid(0) - y) / N = -+1/16 at each of the
+    N = (4 + 1) + (2 + 1) = 8 states. A tracking increment h_i collects the states t >= i."""
+    critic = value.Critic(copy.deepcopy(model.base_model), head)
+    torch.nn.init.zeros_(critic.head.weight)
+    outputs = []  # the head's output [B, L, 1], kept with its gradient
+    critic.head.register_forward_hook(lambda module, inputs, out: outputs.append(out) or out.retain_grad())
+    seqs = random_seqs([3 + 4, 2 + 2])  # prompt + response: 3 + 4 and 2 + 2 tokens
+    ids, mask = rollout.pad_right(seqs, 0)
+    prompt_lens, rewards = torch.tensor([3, 2]), torch.tensor([1.0, 0.0])
+    act = torch.zeros(2, 6)
+    act[0, 2:6], act[1, 1:3] = 1, 1  # actions: columns P-1 .. P+T-2
+    loss, _ = value.critic_loss(critic, critic(ids, mask, prompt_lens), None, None, rewards, act)
+    loss.backward()
+    grad = outputs[0].grad.squeeze(-1) * 16
+    if head == "tracking":  # b at P-1 takes every state; the last token (columns 6 and 3) only s_T
+        expected = [[0, 0, -5, -4, -3, -2, -1], [0, 3, 2, 1, 0, 0, 0]]
+    else:  # each state's own output; the whole response's state is at the last token
+        expected = [[0, 0, -1, -1, -1, -1, -1], [0, 1, 1, 1, 0, 0, 0]]
+    assert grad.tolist() == expected
+
+
+# ---- D. the reference computes as the policy does -------------------------------------------
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_reference_logprobs_equal_the_policy_under_autocast(tied):
+    policy = llama(tied)
+    ref = precision.cast_linear_weights(copy.deepcopy(policy), "bf16")
+    seqs = random_seqs([200, 150], seed=4)  # long: RoPE's angles at late positions matter
+    ids, mask = rollout.pad_right(seqs, 0)
+    with torch.no_grad(), bf16():
+        logp, _ = rollout.token_logprobs(policy, ids, mask, 0.6)
+        ref_logp, _ = rollout.token_logprobs(ref, ids, mask, 0.6)
+        whole_bf16, _ = rollout.token_logprobs(copy.deepcopy(policy).to(torch.bfloat16), ids, mask, 0.6)
+    assert torch.equal(logp, ref_logp) and ppo.k3_kl(logp, ref_logp).abs().max().item() == 0.0
+    assert ppo.k3_kl(logp, whole_bf16).max().item() > 0  # casting everything (the old way) does not
+    assert ref.model.rotary_emb.inv_freq.dtype == ref.model.embed_tokens.weight.dtype == torch.float32
+    assert ref.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert ref.lm_head.weight.dtype == (torch.float32 if tied else torch.bfloat16)
+    policy_bytes, ref_bytes = (sum(p.nbytes for p in m.parameters()) for m in (policy, ref))
+    assert ref_bytes < 0.6 * policy_bytes if not tied else ref_bytes < 0.75 * policy_bytes
+
+
+def test_fp32_leaves_the_reference_alone(model):
+    ref = precision.cast_linear_weights(copy.deepcopy(model), "fp32")
+    assert all(p.dtype == torch.float32 for p in ref.parameters())
+
+
+# ---- E. log-probs a few positions at a time -------------------------------------------------
+
+def test_chosen_logprobs_hand_example():
+    logits = torch.tensor([[[0.0, 3.0], [1.0, 1.0]]])  # temperature 1.5: softmax of [0, 2] and [2/3, 2/3]
+    logp = rollout.chosen_logprobs(logits, torch.tensor([[1, 0]]), 1.5, chunk_tokens=1)
+    assert logp[0].tolist() == pytest.approx([-math.log(1 + math.exp(-2)), math.log(0.5)], abs=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 1024])
+def test_chosen_logprobs_equal_the_whole_formula(dtype, chunk_tokens):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 37, 50, generator=g) * 4).to(dtype)
+    targets = torch.randint(0, 50, (3, 37), generator=g)
+    whole = (logits.float() / 0.6).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    chunked = rollout.chosen_logprobs(logits, targets, 0.6, chunk_tokens)
+    assert chunked.dtype == torch.float32 and torch.allclose(chunked, whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chosen_logprobs_transient_memory(dtype):
+    """The whole formula holds two vocabulary-sized fp32 copies at once beside the logits; chunks
+    of 128 positions out of 1024 hold a small fraction of that."""
+    logits, targets = torch.randn(2, 512, 1000).to(dtype), torch.randint(0, 1000, (2, 512))
+
+    def extra_peak(fn):
+        gc.collect()
+        with bench.LiveTensorBytes() as counter:
+            fn()
+        return counter.peak - logits.nbytes
+
+    whole = extra_peak(lambda: (logits.float() / 0.6).log_softmax(-1).gather(-1, targets[..., None]))
+    chunked = extra_peak(lambda: rollout.chosen_logprobs(logits, targets, 0.6, chunk_tokens=128))
+    assert whole >= 2 * 4 * logits.numel() and chunked < whole / 4
+
+
+# ---- F. fork buffers in one dtype; one batch of them alive at a time ------------------------
+
+def test_fork_buffers_take_the_autocast_dtype(model):
+    seqs = random_seqs([30, 17])
+    ids, mask = rollout.pad_right(seqs, 0)
+    for context, dtype in [(bf16, torch.bfloat16), (lambda: precision.autocast(CPU, "fp32"), torch.float32)]:
+        with torch.no_grad(), context():
+            _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+            _, _, forked = rollout.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5, pad_id=0)
+        assert {x.dtype for layer in forked.layers for x in (layer.keys, layer.values)} == {dtype}
+    assert cache.layers[0].keys.dtype == torch.float32  # the source cache: what the fork converts from
+
+
+def test_forked_logprobs_under_autocast_match_the_full_forward(model):
+    """The test_vine check (a fork's log-probs over three steps equal the full pass's) under bf16
+    autocast with bf16 buffers: equal to bf16 rounding, and the same greedy token."""
+    seqs = random_seqs([20, 9, 14], seed=2)
+    ids, mask = rollout.pad_right(seqs, 0)
+    rows, ends = [0, 2, 1, 0], [7, 11, 6, 16]
+    with torch.no_grad(), bf16():
+        full, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
+        fork_ids, attn, forked = rollout.fork(cache, prefixes, rows, 1, 3, pad_id=0)
+        for step in range(3):  # feed the true next tokens one at a time
+            last = torch.tensor([seqs[r][e - 1 + step] for r, e in zip(rows, ends)])[:, None]
+            positions = torch.tensor(ends)[:, None] - 1 + step
+            out = model(input_ids=last, attention_mask=attn, cache=forked, position_ids=positions)
+            out = out.logits[:, -1]
+            logp = out.float().log_softmax(-1)
+            for i, (r, e) in enumerate(zip(rows, ends)):
+                expected = full[r, e - 1 + step].item()
+                assert logp[i, seqs[r][e + step]].item() == pytest.approx(expected, abs=0.05)
+                assert out[i].argmax() == logits[r, e - 1 + step].argmax()
+            attn = torch.cat([attn, torch.ones(4, 1, dtype=attn.dtype)], 1)
+
+
+def test_forked_greedy_under_autocast_matches_reencoding(model):
+    seqs = random_seqs([30, 17, 25])
+    ids, mask = rollout.pad_right(seqs, 0)
+    prefixes, rows = [seqs[0][:12], seqs[1][:5], seqs[2][:25]], [0, 1, 2]
+    kw = dict(temperature=0.0, top_p=1.0, eos_id=2, pad_id=0)
+    with torch.no_grad(), bf16():
+        _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+        forked, _ = rollout.sample(model, prefixes, 2, [12] * 3, cache=cache, rows=rows, **kw)
+        for prefix, forks in zip(prefixes, forked):
+            alone = model.generate(torch.tensor([prefix]), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=2, pad_token_id=0)[0, len(prefix):].tolist()  # HF's own cache
+            alone = alone[: alone.index(2) + 1] if 2 in alone else alone
+            assert forks == [alone, alone] and len(set(alone)) > 1
+
+
+def sampling_peak(model, cache, n_prefixes, max_batch_tokens):
+    """Peak bytes of sampling 4 x 60 tokens from each of n_prefixes 18-token prefixes of cache's 4 rows."""
+    seqs, rows = random_seqs([20] * 4), [i % 4 for i in range(n_prefixes)]
+    prefixes = [seqs[r][:18] for r in rows]
+    gc.collect()
+    with bench.LiveTensorBytes() as counter:  # EOS out of the vocabulary: every row runs its full budget
+        rollout.sample(model, prefixes, 4, [60] * n_prefixes, cache=cache, rows=rows, temperature=1.0,
+                       top_p=1.0, eos_id=40, pad_id=0, max_batch_tokens=max_batch_tokens)
+    return counter.peak
+
+
+def test_two_batches_of_forks_peak_like_one(model):
+    """4 prefixes x k=4 x (18 + 60) tokens fill one batch; 8 prefixes make two such batches, whose
+    fork buffers (most of the memory here) must not be alive at once."""
+    ids, mask = rollout.pad_right(random_seqs([20] * 4), 0)
+    with torch.no_grad():
+        _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+    one = sampling_peak(model, cache, 4, 4 * 4 * 78)
+    two = sampling_peak(model, cache, 8, 4 * 4 * 78)
+    buffers = 2 * 2 * 16 * 2 * (17 + 60) * 16 * 4  # layers, (k, v), rows, kv heads, columns, head dim, fp32
+    assert one > buffers and two < one + buffers / 4
+
+
+# ---- G. the gather fork equals the copying one ----------------------------------------------
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gather_fork_equals_copy_fork(model, autocast):
+    seqs = random_seqs([20, 9, 14], seed=2)
+    ids, mask = rollout.pad_right(seqs, 0)
+    rows, ends = [0, 2, 1, 0, 1], [7, 11, 6, 16, 9]
+    prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
+    with torch.no_grad(), (bf16() if autocast else precision.autocast(CPU, "fp32")):
+        _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+        copied = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
+        gathered = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
+        kw = dict(temperature=0.0, top_p=1.0, eos_id=2, pad_id=0, cache=cache, rows=rows)
+        samples = [rollout.sample(model, prefixes, 2, [6] * 5, fork_method=method, **kw)
+                   for method in rollout.FORK_METHODS]
+    assert samples[0] == samples[1]
+    assert torch.equal(copied[0], gathered[0]) and torch.equal(copied[1], gathered[1])
+    for a, b in zip(copied[2].layers, gathered[2].layers):  # the W-1 cached columns (decoding fills the rest)
+        assert a.keys.shape == b.keys.shape == (15, 2, 15, 16)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert a.key_buffer.shape == b.key_buffer.shape and a.keys.dtype == b.keys.dtype
+
+
+# ---- the whole run in bf16 --------------------------------------------------------------------
+
+@pytest.mark.parametrize("algo, extra", [("vineppo", []), ("ppo", []), ("tppo", []), ("grpo", []),
+                                         ("ppo", ["--value-head", "bce"])],
+                         ids=["vineppo", "ppo", "tppo", "grpo", "ppo-bce"])
+def test_each_algo_runs_in_bf16_on_cpu(tmp_path, algo, extra):
+    args = ["--precision", "bf16", "--algo", algo, "--out", str(tmp_path), *SMALL, *extra]
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], cwd=HERE,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [row["iteration"] for row in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["nonfinite_skips"] == 0 and "policy_loss" in row and row["kl"] >= 0
+        assert ("value_loss" in row) == (algo in ("ppo", "tppo"))
+        assert (row["mc_states"] > 0) == (algo == "vineppo")
+    state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["config"]["precision"] == "bf16"
