@@ -158,7 +158,7 @@ def main(cfg: Config):
     # sampling settings shared by rollouts, MC continuations and evaluation; the reference's stop string
     gen = dict(top_p=cfg.top_p, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), tokenizer=tok, stop=STOP,
                max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens,
-               fork_method="gather" if device.type == "cuda" else "copy")  # see rollout.fork
+               fork_method="gather" if device.type == "cuda" else "copy")  # see kv_fork.fork
     grade = lambda response_ids, ep: gsm8k_reward(tok.decode(response_ids, skip_special_tokens=True), ep.gold)
     if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
         accuracy = evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, 0)
