@@ -39,7 +39,8 @@ def load_model(name: str, device, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
+                                                     trust_remote_code=trust_remote_code)
         model.to(device)
     except Exception as e:  # hub, network and format errors all end here: one line, not a traceback
         raise DataError(f"--model {name!r}: cannot load it ({first_line(e)}); offline, point "
@@ -62,7 +63,8 @@ def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=Non
         critic_weights = critic_weights or critic.state_dict()
         part = lambda prefix: {k[len(prefix):]: v for k, v in critic_weights.items() if k.startswith(prefix)}
         critic.backbone.save_pretrained(os.path.join(tmp, "critic"), state_dict=part("backbone."))
-        torch.save({"head": critic.head_type, "state": part("head.")}, os.path.join(tmp, "critic", "value_head.pt"))
+        torch.save({"head": critic.head_type, "state": part("head.")},
+                   os.path.join(tmp, "critic", "value_head.pt"))
     if state is not None:
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(final):
@@ -94,7 +96,8 @@ def last_checkpoint(out: str) -> str | None:
 def truncate_jsonl(path: str, last_iteration: int):
     """Drop the rows written after the checkpoint, so a resumed run neither repeats nor skips one."""
     if os.path.exists(path):
-        rows = [line for line in open(path) if complete_row(line) and json.loads(line)["iteration"] <= last_iteration]
+        rows = [line for line in open(path)
+                if complete_row(line) and json.loads(line)["iteration"] <= last_iteration]
         with open(path + ".tmp", "w") as f:
             f.writelines(rows)
         os.replace(path + ".tmp", path)
@@ -145,7 +148,7 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
     try:
         state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged file: refuse, never start over on top of the results
-        raise DataError(f"--resume: {path}/trainer_state.pt cannot be read ({str(e).splitlines()[0]})") from None
+        raise DataError(f"--resume: {path}/trainer_state.pt cannot be read ({first_line(e)})") from None
     for key in RESUME_MUST_MATCH:
         if state["config"][key] != getattr(cfg, key):
             raise DataError(f"--resume: {path} was written with --{key.replace('_', '-')} "
@@ -167,9 +170,10 @@ def save_training_state(cfg, iteration: int, tok, policy, critic):
     critic_weights = parallel.full_state_dict(critic.model) if critic is not None else None
     rngs = parallel.gather(rng_state())
     if parallel.rank() == 0:
-        state = {"iteration": iteration, "config": dataclasses.asdict(cfg), "optimizers": optimizers, "rng": rngs}
-        save_checkpoint(cfg.out, policy.model, tok, state, critic and critic.model, policy_weights=policy_weights,
-                        critic_weights=critic_weights)
+        state = {"iteration": iteration, "config": dataclasses.asdict(cfg), "optimizers": optimizers,
+                 "rng": rngs}
+        save_checkpoint(cfg.out, policy.model, tok, state, critic and critic.model,
+                        policy_weights=policy_weights, critic_weights=critic_weights)
 
 
 def restore_training_state(cfg, state: dict | None, learners: list) -> int | None:

@@ -9,7 +9,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -118,12 +119,14 @@ def full_state_dict(model) -> dict:
 def optimizer_state(model, optim) -> dict:
     """What --resume needs of an optimizer; for FSDP the full state, gathered on the first process."""
     if isinstance(model, FSDPModule):
-        return get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, optim, options=options)
     return optim.state_dict()
 
 
 def load_optimizer_state(model, optim, saved: dict):
     if isinstance(model, FSDPModule):
-        set_optimizer_state_dict(model, optim, saved, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(model, optim, saved, options=options)
     else:
         optim.load_state_dict(saved)

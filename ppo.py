@@ -182,7 +182,8 @@ def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int
     for learner in learners:
         learner.model.eval()  # sampling and scoring see no dropout
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
-    out = {k: mean(policy_stats, k) for k in ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio") if policy_stats}
+    out = {k: mean(policy_stats, k) for k in ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio")
+           if policy_stats}
     out.update({k: mean(critic_stats, k) for k in ("value_loss", "value_clipfrac") if critic_stats})
     out["skipped_batches"] = int(sum(s["skipped"] for s in policy_stats))
     out["nonfinite_skips"] = nonfinite

@@ -85,7 +85,8 @@ def arith_dataset(n: int, seed: int, min_steps: int = 2, max_steps: int = 5, sli
 def check_problem(row, where: str) -> dict:
     """A problem must have string 'question' and 'answer' fields, the answer ending in '#### N'."""
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object with 'question' and 'answer', got {type(row).__name__}")
+        raise DataError(f"{where}: expected a JSON object with 'question' and 'answer', "
+                        f"got {type(row).__name__}")
     for field in ("question", "answer"):
         if not isinstance(row.get(field), str) or not row[field].strip():
             raise DataError(f"{where}: missing or empty string field '{field}'")

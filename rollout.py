@@ -1,10 +1,13 @@
 """Sampling with HF `generate` from forks of a KV cache (kv_fork.py), per-token log-probs, the
 reference's stop rule and token budgets, and the batching of forward passes.
 """
+import json
+import os
 from dataclasses import dataclass, field
 
 import torch
 
+import parallel
 from kv_fork import fork
 
 
@@ -74,7 +77,8 @@ def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top
     A row also stops once its text reaches `stop` (HF's stop_strings, which needs the tokenizer).
     Rows that stopped are filled with EOS, so every stopped row ends at its first EOS."""
     # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
+        else dict(do_sample=False)
     # synced_gpus=False: each process decodes on its own (with FSDP, HF would lock processes in step)
     out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=new_tokens,
                          eos_token_id=eos_id, pad_token_id=eos_id, stop_strings=stop, tokenizer=tokenizer,
@@ -208,3 +212,22 @@ def per_response(logp, episodes):
     """Row slices of a [B, L-1] tensor -> one [T] tensor per episode (its response tokens)."""
     return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
             for i, ep in enumerate(episodes)]
+
+
+def evaluate(policy, problems, cfg, tok, gen, grade, autocast, iteration: int) -> float:
+    """Held-out accuracy: the mean reward of --eval-samples samples per problem at --eval-temperature.
+    Each process samples a share of the problems; the counts are summed over processes."""
+    with autocast, parallel.whole(policy):
+        episodes = sample_episodes(policy, problems[parallel.rank()::parallel.world_size()],
+                                           cfg.eval_samples, grade, temperature=cfg.eval_temperature, **gen)
+    if parallel.rank() == 0:  # three examples per evaluation, for a reader of samples.jsonl
+        with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
+            text = lambda ids: tok.decode(ids, skip_special_tokens=True)
+            for ep in episodes[: 3 * cfg.eval_samples: cfg.eval_samples]:
+                f.write(json.dumps({"iteration": iteration, "prompt": text(ep.prompt_ids),
+                                    "response": text(ep.response_ids), "gold": ep.gold,
+                                    "reward": ep.reward}) + "\n")
+    device = next(policy.parameters()).device
+    correct, count = parallel.all_reduce_sum(torch.tensor([sum(ep.reward for ep in episodes), len(episodes)],
+                                                          dtype=torch.float64, device=device))
+    return (correct / count).item()

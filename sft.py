@@ -35,7 +35,8 @@ def sft_warm_start(policy, tok, problems: list[dict], *, steps: int, lr: float, 
         # the processes, since DDP averages their gradients (a mean of per-process means would not be)
         n_tokens = parallel.all_reduce_sum((labels[:, 1:] != -100).sum())
         with autocast:
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n_tokens).loss * world
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n_tokens)
+            loss = out.loss * world
         optim.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)

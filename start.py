@@ -1,9 +1,12 @@
-"""Everything before the first iteration: the output directory, data, models (the SFT warm start,
-the frozen reference, the critic) and optimizers; on --resume, all of it as the last checkpoint
-left it (checkpoint.py)."""
+"""Everything before the first iteration: the process (device, seeds, precision), the output
+directory, data, models (the SFT warm start, the frozen reference, the critic) and optimizers;
+on --resume, all of it as the last checkpoint left it (checkpoint.py)."""
 import copy
 import math
 import os
+import random
+
+import torch
 
 from tqdm import tqdm
 
@@ -18,13 +21,32 @@ from checkpoint import ALIASES, RESULTS, build_tiny_model, find_resume, load_cri
 from reward import DataError
 
 
+def start_process(cfg):
+    """(rank, world size, device, autocast context) of this process, its random streams seeded.
+    Under torchrun it joins the process group; alone it is process 0 of 1."""
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    rank, world, device = parallel.init(torch.device(auto if cfg.device == "auto" else cfg.device))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DataError(f"--device {cfg.device}: no CUDA device is available here (use --device cpu)")
+    for name in ("prompts_per_iter", "minibatch"):  # torchrun: each process takes an equal share
+        if getattr(cfg, name) % world:
+            raise DataError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: "
+                            f"must be divisible by the {world} processes")
+    random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)  # processes sample different responses
+    cfg.precision = cfg.precision or precision.default_precision(device)
+    autocast = precision.autocast(device, cfg.precision)  # every forward pass; fp32 master weights
+    return rank, world, device, autocast
+
+
 def start_run(cfg, device, autocast):
     """Data, models (SFT warm start, frozen reference, critic) and optimizers; on --resume, all of
     it as the last checkpoint left it. Returns the learners (ppo.Learner) and the last iteration
     done (None for a fresh run)."""
     prepare_out(cfg)
     train_set = reward.load_problems(cfg.data, "train", seed=cfg.seed, slip=cfg.arith_slip)
-    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", seed=cfg.seed)[: cfg.eval_problems or None]
+    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", seed=cfg.seed)
+    eval_set = eval_set[: cfg.eval_problems or None]
     resume_from, state = find_resume(cfg)
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
     if cfg.gradient_checkpointing:  # non-reentrant, so DDP and FSDP take it
@@ -44,11 +66,13 @@ def start_run(cfg, device, autocast):
         critic = load_critic(resume_from, device) if resume_from else \
             value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
-            critic.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            critic.backbone.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
     ref.eval().requires_grad_(False)
     precision.cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
     # one AdamW state and LR schedule per trained model, kept across iterations (reference pitfall 12)
-    total = cfg.iterations * cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
+    steps_per_iteration = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
+    total = cfg.iterations * steps_per_iteration
     learners = [ppo.make_learner(model, lr, total, int(cfg.warmup * total), cfg.fsdp, device)
                 for model, lr in [(policy, cfg.lr), (critic, cfg.critic_lr)] if model is not None]
     done = restore_training_state(cfg, state, learners)
@@ -72,8 +96,8 @@ def prepare_out(cfg):
     out = cfg.out
     found = [name for name in RESULTS if os.path.exists(os.path.join(out, name))]
     if found and not cfg.resume and not cfg.overwrite:
-        raise DataError(f"--out {out!r} holds an earlier run ({', '.join(found)}): pass --resume to continue it "
-                        "or --overwrite to replace it")
+        raise DataError(f"--out {out!r} holds an earlier run ({', '.join(found)}): "
+                        "pass --resume to continue it or --overwrite to replace it")
     try:
         os.makedirs(out, exist_ok=True)
         probe = os.path.join(out, f".writable{parallel.rank()}")

@@ -13,13 +13,11 @@ import dataclasses
 import json
 import math
 import os
-import random
 import re
 import sys
 import time
 from dataclasses import dataclass, field
 
-import torch
 from tqdm import tqdm
 
 import checkpoint
@@ -43,7 +41,8 @@ at_least = lambda low: (lambda v: v >= low, f">= {low}")
 above = lambda low: (lambda v: v > low, f"> {low}")
 between = lambda low, high: (lambda v: low <= v <= high, f"between {low} and {high}")
 one_of = lambda *names: (lambda v: v in names, "one of " + ", ".join(names))
-DEVICE = (lambda v: v in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", v), "'auto', 'cpu', 'cuda' or 'cuda:N'")
+DEVICE = (lambda v: v in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", v),
+          "'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
 @dataclass
@@ -101,14 +100,14 @@ class Config:
     forward_batch_tokens: int = arg(32768, "memory budget of one log-prob / value forward pass, in tokens",
                                     at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
-    precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights (default: bf16 on CUDA, fp32 on CPU)",
+    precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights (default: bf16 on CUDA, else fp32)",
                          one_of("", *precision.PRECISIONS))
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, replacing its results")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: transformers' own architectures)")
     gradient_checkpointing: bool = arg(False, "recompute each layer's activations in backward: less memory, "
                                        "slower updates (the reference runs with it)")
-    fsdp: bool = arg(False, "under torchrun: shard policy and critic (weights, grads, AdamW) with FSDP2, not DDP")
+    fsdp: bool = arg(False, "under torchrun: shard policy and critic (weights, grads, AdamW) with FSDP2")
 
 
 # The offline demo (--model tiny), in one place: a 0.9M-parameter model, SFT from scratch on
@@ -124,7 +123,8 @@ def parse_args(argv=None) -> Config:
     p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)  # one line, no usage
     for f in dataclasses.fields(Config):
         kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
-        default = f"{DEMO[f.name]} in the demo (--model tiny), else {f.default}" if f.name in DEMO else f.default
+        default = f"{DEMO[f.name]} in the demo (--model tiny), else {f.default}" if f.name in DEMO \
+            else f.default
         p.add_argument("--" + f.name.replace("_", "-"), default=None,
                        help=f"{f.metadata['help']} (default: {default})", **kind)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
@@ -141,18 +141,7 @@ def parse_args(argv=None) -> Config:
 
 
 def main(cfg: Config):
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    rank, world, device = parallel.init(torch.device(auto if cfg.device == "auto" else cfg.device))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DataError(f"--device {cfg.device}: no CUDA device is available here (use --device cpu)")
-    for name in ("prompts_per_iter", "minibatch"):  # torchrun: each process takes an equal share
-        if getattr(cfg, name) % world:
-            raise DataError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: "
-                            f"must be divisible by the {world} processes")
-    random.seed(cfg.seed + rank)
-    torch.manual_seed(cfg.seed + rank)  # processes sample different responses
-    cfg.precision = cfg.precision or precision.default_precision(device)
-    autocast = precision.autocast(device, cfg.precision)  # every forward pass; fp32 master weights
+    rank, world, device, autocast = start.start_process(cfg)  # torchrun: one process per GPU; else 0 of 1
     # data, models (SFT warm start, frozen reference, critic), optimizers; or all from --out's checkpoint
     tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
     # sampling settings shared by rollouts, MC continuations and evaluation; the reference's stop string
@@ -161,12 +150,13 @@ def main(cfg: Config):
                fork_method="gather" if device.type == "cuda" else "copy")  # see kv_fork.fork
     grade = lambda response_ids, ep: gsm8k_reward(tok.decode(response_ids, skip_special_tokens=True), ep.gold)
     if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
-        accuracy = evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, 0)
+        accuracy = rollout.evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, 0)
         log(cfg.out, {"iteration": 0, "eval_accuracy": accuracy})
         if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
             checkpoint.save_training_state(cfg, 0, tok, policy, critic)
     elif done >= cfg.iterations and rank == 0:
-        tqdm.write(f"--resume: the checkpoint is at iteration {done}, --iterations {cfg.iterations}: nothing to train")
+        tqdm.write(f"--resume: the checkpoint is at iteration {done}, --iterations {cfg.iterations}: "
+                   "nothing to train")
 
     for it in range((done or 0) + 1, cfg.iterations + 1):
         t0 = time.time()
@@ -209,7 +199,7 @@ def main(cfg: Config):
         times["seconds"] = time.time() - t0
         row = {"iteration": it, **iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, times)}
         if due(it, cfg.eval_every, cfg.iterations):
-            row["eval_accuracy"] = evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, it)
+            row["eval_accuracy"] = rollout.evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, it)
         log(cfg.out, row)
         if due(it, cfg.save_every, cfg.iterations):
             checkpoint.save_training_state(cfg, it, tok, policy, critic)
@@ -219,24 +209,6 @@ def main(cfg: Config):
 def due(iteration: int, every: int, last: int) -> bool:
     """Every `every` iterations and at the last one (every = 0: at the last one only)."""
     return iteration == last or (every > 0 and iteration % every == 0)
-
-
-def evaluate(policy, problems, cfg, tok, gen, grade, autocast, iteration: int) -> float:
-    """Held-out accuracy: the mean reward of --eval-samples samples per problem at --eval-temperature.
-    Each process samples a share of the problems; the counts are summed over processes."""
-    with autocast, parallel.whole(policy):
-        episodes = rollout.sample_episodes(policy, problems[parallel.rank()::parallel.world_size()],
-                                           cfg.eval_samples, grade, temperature=cfg.eval_temperature, **gen)
-    if parallel.rank() == 0:  # three examples per evaluation, for a reader of samples.jsonl
-        with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
-            for ep in episodes[: 3 * cfg.eval_samples: cfg.eval_samples]:
-                text = lambda ids: tok.decode(ids, skip_special_tokens=True)
-                f.write(json.dumps({"iteration": iteration, "prompt": text(ep.prompt_ids),
-                                    "response": text(ep.response_ids), "gold": ep.gold, "reward": ep.reward}) + "\n")
-    device = next(policy.parameters()).device
-    correct, count = parallel.all_reduce_sum(torch.tensor([sum(ep.reward for ep in episodes), len(episodes)],
-                                                          dtype=torch.float64, device=device))
-    return (correct / count).item()
 
 
 def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy, times: dict) -> dict:
