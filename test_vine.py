@@ -734,7 +734,8 @@ def test_no_run_destroys_another_runs_results(tmp_path):
     assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1]  # iteration 0 logged once
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"iteration": 2, "train_rew')  # a kill in the middle of a write
-    assert run_train("--out", out, *small, "--iterations", "2", "--resume").returncode == 0
+    longer = run_train("--out", out, *small, "--iterations", "2", "--resume")
+    assert longer.returncode == 0 and "LR schedule is stretched to end at iteration 2" in longer.stdout
     assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1, 2]
     done = run_train("--out", out, *small, "--iterations", "1", "--resume")
     assert done.returncode == 0 and "nothing to train" in done.stderr + done.stdout

@@ -125,8 +125,8 @@ def parse_args(argv=None) -> Config:
         kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
         default = f"{DEMO[f.name]} in the demo (--model tiny), else {f.default}" if f.name in DEMO \
             else f.default
-        p.add_argument("--" + f.name.replace("_", "-"), default=None,
-                       help=f"{f.metadata['help']} (default: {default})", **kind)
+        shown = f" (default: {default})" if default != "" else ""  # "" defaults are explained in the help
+        p.add_argument("--" + f.name.replace("_", "-"), default=None, help=f.metadata["help"] + shown, **kind)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     preset = DEMO if given.get("model", Config.model) == "tiny" else {}
     cfg = Config(**{**preset, **given})
