@@ -26,7 +26,9 @@ def run(out: str, *args) -> float:
     done = os.path.join(out, "seconds.txt")
     if not os.path.exists(done):
         start = time.time()
-        subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--out", out, *args], check=True)
+        # no seconds.txt: the run never finished, so whatever it left in `out` is replaced
+        subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--out", out, "--overwrite", *args],
+                       check=True)
         with open(done, "w") as f:
             f.write(str(time.time() - start))
     return float(open(done).read())
