@@ -140,10 +140,11 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
         return None, None
     path = last_checkpoint(cfg.out)
     if path is None:
-        if any(os.path.exists(os.path.join(cfg.out, name)) for name in RESULTS):
-            raise DataError(f"--resume: {cfg.out!r} holds results but no complete checkpoint to continue from; "
+        if any(os.path.exists(os.path.join(cfg.out, name)) for name in ("checkpoint", "checkpoint.old")):
+            raise DataError(f"--resume: {cfg.out}/checkpoint has no trainer_state.pt to continue from; "
                             "--overwrite starts the run again")
-        tqdm.write(f"--resume: nothing in {cfg.out} yet, starting from scratch")
+        # killed before its first checkpoint: starting over loses only rows a resume would drop too
+        tqdm.write(f"--resume: no checkpoint in {cfg.out} yet, starting from scratch")
         return None, None
     try:
         state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)

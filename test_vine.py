@@ -745,6 +745,9 @@ def test_no_run_destroys_another_runs_results(tmp_path):
     (tmp_path / "checkpoint" / "trainer_state.pt").write_bytes(b"damaged")
     damaged = run_train("--out", out, *small, "--iterations", "3", "--resume")
     assert damaged.returncode == 2 and "trainer_state.pt cannot be read" in damaged.stderr
+    (tmp_path / "checkpoint" / "trainer_state.pt").unlink()
+    missing = run_train("--out", out, *small, "--iterations", "3", "--resume")
+    assert missing.returncode == 2 and "checkpoint has no trainer_state.pt" in missing.stderr
     assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1, 2]  # nothing wiped
     fresh = run_train("--out", out, *small, "--iterations", "1", "--overwrite", "--eval-every", "0", "--save-every", "0")
     assert fresh.returncode == 0 and [row["iteration"] for row in numbers(tmp_path)] == [0, 1]
