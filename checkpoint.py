@@ -128,8 +128,8 @@ def set_rng_state(state: dict):
 # ---- a run's start and its checkpoints (what --resume needs to continue exactly) ----
 
 # what a resumed run cannot change: its models, data and what the reference was made from
-RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "arith_slip", "sft_steps", "sft_lr",
-                     "sft_batch")
+RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "arith_steps", "arith_slip",
+                     "sft_steps", "sft_lr", "sft_batch")
 RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
 
 
@@ -151,9 +151,9 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
     except Exception as e:  # a damaged file: refuse, never start over on top of the results
         raise DataError(f"--resume: {path}/trainer_state.pt cannot be read ({first_line(e)})") from None
     for key in RESUME_MUST_MATCH:
-        if state["config"][key] != getattr(cfg, key):
+        if state["config"].get(key) != getattr(cfg, key):
             raise DataError(f"--resume: {path} was written with --{key.replace('_', '-')} "
-                            f"{state['config'][key]!r}, not {getattr(cfg, key)!r}")
+                            f"{state['config'].get(key)!r}, not {getattr(cfg, key)!r}")
     if state["config"]["iterations"] < cfg.iterations and parallel.rank() == 0:
         tqdm.write(f"--resume: --iterations {cfg.iterations}, not {state['config']['iterations']}: "
                    f"the LR schedule is stretched to end at iteration {cfg.iterations}")

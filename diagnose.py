@@ -88,7 +88,7 @@ def main():
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     gen = dict(temperature=a.temperature, top_p=a.top_p, eos_id=eos, pad_id=pad, tokenizer=tok, stop=STOP)
     ks = [int(k) for k in a.k.split(",")]
-    problems = random.Random(a.seed).sample(load_problems(a.data, "test", seed=a.seed), a.trajectories)
+    problems = random.Random(a.seed).sample(load_problems(a.data, "test"), a.trajectories)
 
     def mc(prompt, resp_prefix, gold, n):
         """Mean reward of n fresh continuations of prompt + resp_prefix (the full solution is graded)."""
@@ -116,7 +116,7 @@ def main():
 
     rows, ranking = [], {name: [] for name in estimators}
     for t, prob in enumerate(problems):
-        prompt = encode_prompt(tok, prob["question"])
+        prompt = encode_prompt(tok, prob["prompt"])
         resp = rollout.sample(policy, [prompt], 1, [a.max_new_tokens], **gen)[0][0][0]
         starts = vine.response_step_starts(tok, resp)
         for i, b in enumerate(starts):

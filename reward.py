@@ -1,7 +1,7 @@
 """Tasks: problems in GSM8K's format and their verifiable rewards.
 
 A problem is a dict {"question": str, "answer": str} whose answer ends in "#### N", as in
-GSM8K. Two sources share every line of code after loading:
+GSM8K, and its "prompt" text once loaded. Two sources share every line of code after loading:
   - "gsm8k" (the hub dataset openai/gsm8k) or a local .jsonl file in the same format;
   - "arith", the built-in offline task: a chain of additions and subtractions solved one
     line per step.
@@ -11,6 +11,7 @@ import random
 import re
 
 PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the reference's prompt, no trailing space
+ARITH_PROMPT = "{question}\n"  # the built-in task's: the tiny model has no use for 35 characters of template
 STOP = "\n\n\nProblem:"  # the reference stops generation here: the model has begun inventing a next problem
 
 
@@ -55,29 +56,37 @@ def sft_target(answer: str) -> str:
 # ---- the built-in task: chains of additions and subtractions ----------------------------------
 
 def arith_problem(rng: random.Random, min_steps: int, max_steps: int, slip: float = 0.0) -> dict:
-    """'What is 7+3-5?' -> '7+3=10\n10-5=5\n#### 5': one line per operation, so an early slip
-    makes the answer wrong. The running total stays >= 0; more steps make it harder.
-    'demonstration' is the worked solution used for SFT: with probability `slip` a line's result
-    is off by one and the chain goes on from there, like a careless human demonstrator. Grading
-    always uses the correct 'answer', so RL has careless steps to find and remove."""
-    total = sloppy = rng.randint(1, 9)
+    """'What is 7+2-5?' -> '7+2=9\n9-5=4\n#### 4': one line per operation, so an early slip makes
+    the answer wrong. Every running total is a single digit (0-9), so a tiny model learns the
+    arithmetic fast; the number of steps sets the difficulty. 'demonstration' is the worked
+    solution used for SFT: with probability `slip` a line's result is off by one and the chain
+    goes on from there, like a careless human demonstrator. Grading always uses the correct
+    'answer', so RL has careless steps to find and remove."""
+    total = sloppy = rng.randint(0, 9)
     question, lines, demo = str(total), [], []
     for _ in range(rng.randint(min_steps, max_steps)):
-        x = rng.randint(1, 9)
-        sign = rng.choice("+-") if min(total, sloppy) >= x else "+"
-        step = (lambda a: a + x) if sign == "+" else (lambda a: a - x)
+        # an operation that keeps both totals in 0-9; one exists while they differ by at most 8,
+        # so chains have at most 8 steps
+        sign, x = rng.choice([(sign, x) for sign in "+-" for x in range(1, 10)
+                              if all(0 <= apply(t, sign, x) <= 9 for t in (total, sloppy))])
         question += f"{sign}{x}"
-        lines.append(f"{total}{sign}{x}={step(total)}")
-        result = step(sloppy) + (rng.choice([-1, 1]) if rng.random() < slip and step(sloppy) > 0 else 0)
+        lines.append(f"{total}{sign}{x}={apply(total, sign, x)}")
+        result = apply(sloppy, sign, x)
+        if rng.random() < slip:
+            result = rng.choice([r for r in (result - 1, result + 1) if 0 <= r <= 9])
         demo.append(f"{sloppy}{sign}{x}={result}")
-        total, sloppy = step(total), result
+        total, sloppy = apply(total, sign, x), result
     return {"question": f"What is {question}?", "answer": "\n".join(lines) + f"\n#### {total}",
             "demonstration": "\n".join(demo) + f"\n#### {sloppy}"}
 
 
-def arith_dataset(n: int, seed: int, min_steps: int = 2, max_steps: int = 5, slip: float = 0.0) -> list[dict]:
+def apply(total: int, sign: str, x: int) -> int:
+    return total + x if sign == "+" else total - x
+
+
+def arith_dataset(n: int, seed: int, steps: tuple[int, int] = (2, 5), slip: float = 0.0) -> list[dict]:
     rng = random.Random(seed)
-    return [arith_problem(rng, min_steps, max_steps, slip) for _ in range(n)]
+    return [arith_problem(rng, *steps, slip) for _ in range(n)]
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -116,14 +125,15 @@ def read_jsonl(path: str) -> list[dict]:
     return problems
 
 
-def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, slip: float = 0.0) -> list[dict]:
-    """'arith' (train and test drawn with different seeds) | 'gsm8k' (hub dataset
-    openai/gsm8k, config 'main') | a path to a .jsonl file (the split is ignored)."""
+def load_problems(data: str, split: str, steps: tuple[int, int] = (2, 5), slip: float = 0.0) -> list[dict]:
+    """'arith' (2000 problems per split, the same for every --seed, as a real dataset's) | 'gsm8k'
+    (hub dataset openai/gsm8k, config 'main') | a path to a .jsonl file (the split is ignored). Each
+    problem gets its 'prompt' text: the reference's template, or the built-in task's short one."""
     if data == "arith":
-        return arith_dataset(n_arith, seed=seed + (0 if split == "train" else 10_000), slip=slip)
-    if data.endswith(".jsonl"):
-        return read_jsonl(data)
-    if data == "gsm8k":
+        problems = arith_dataset(2000, seed=0 if split == "train" else 10_000, steps=steps, slip=slip)
+    elif data.endswith(".jsonl"):
+        problems = read_jsonl(data)
+    elif data == "gsm8k":
         from datasets import load_dataset  # imported here: the offline demo never needs it
         try:
             rows = load_dataset("openai/gsm8k", "main", split=split)
@@ -131,8 +141,11 @@ def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, sli
             raise DataError(f"--data gsm8k: cannot load openai/gsm8k from the hub ({first_line(e)}); "
                             "offline, point --data and --eval-data at local .jsonl files in GSM8K's format, "
                             "one {\"question\": ..., \"answer\": ...} object per line") from None
-        return [check_problem(r, f"openai/gsm8k[{split}][{i}]") for i, r in enumerate(rows)]
-    raise DataError(f"--data {data!r}: expected 'arith', 'gsm8k' or a path ending in .jsonl")
+        problems = [check_problem(r, f"openai/gsm8k[{split}][{i}]") for i, r in enumerate(rows)]
+    else:
+        raise DataError(f"--data {data!r}: expected 'arith', 'gsm8k' or a path ending in .jsonl")
+    template = ARITH_PROMPT if data == "arith" else PROMPT
+    return [{**p, "prompt": template.format(question=p["question"].strip())} for p in problems]
 
 
 def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world: int = 1) -> list[dict]:
@@ -142,22 +155,22 @@ def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world:
     return [problems[i] for i in picked[rank::world]]
 
 
-def encode_prompt(tok, question: str) -> list[int]:
+def encode_prompt(tok, prompt: str) -> list[int]:
     """BOS + the prompt's tokens: what sampling starts from (reference §3.2)."""
-    ids = tok(PROMPT.format(question=question.strip()), add_special_tokens=False).input_ids
+    ids = tok(prompt, add_special_tokens=False).input_ids
     return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
 
 
-def sft_example(tok, question: str, answer: str) -> tuple[list[int], int]:
+def sft_example(tok, prompt: str, answer: str) -> tuple[list[int], int]:
     """One SFT sequence, encode_prompt's ids + the response's ids + EOS (reference §3.3), and the
     number of prompt ids. The response is tokenized as it follows the prompt, prompt and target
     as one text: tokenized alone, a SentencePiece tokenizer would start it with a '▁' token that
     the model never samples after 'Solution:'. If that joint tokenization does not split at the
     prompt's end (a token such as ':\\n' in byte-level BPE spans it), the target is tokenized
     alone, which for those tokenizers adds no prefix."""
-    prompt_ids, target = encode_prompt(tok, question), sft_target(answer)
+    prompt_ids, target = encode_prompt(tok, prompt), sft_target(answer)
     prompt_text_ids = prompt_ids[1:] if tok.bos_token_id is not None else prompt_ids
-    joint = tok(PROMPT.format(question=question.strip()) + target, add_special_tokens=False).input_ids
+    joint = tok(prompt + target, add_special_tokens=False).input_ids
     if joint[: len(prompt_text_ids)] == prompt_text_ids:
         response = joint[len(prompt_text_ids):]
     else:

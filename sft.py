@@ -24,7 +24,7 @@ def sft_warm_start(policy, tok, problems: list[dict], *, steps: int, lr: float, 
     optim = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     for step in tqdm(range(steps), desc="sft", disable=rank != 0):
         batch = rng.sample(problems, min(batch_size, len(problems)))[rank::world]
-        examples = [sft_example(tok, p["question"], p.get("demonstration", p["answer"])) for p in batch]
+        examples = [sft_example(tok, p["prompt"], p.get("demonstration", p["answer"])) for p in batch]
         ids, mask = rollout.pad_right([seq for seq, _ in examples], rollout.pad_id(tok), device)
         labels = ids.masked_fill(mask == 0, -100)
         for i, (_, n_prompt) in enumerate(examples):

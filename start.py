@@ -44,15 +44,16 @@ def start_run(cfg, device, autocast):
     it as the last checkpoint left it. Returns the learners (ppo.Learner) and the last iteration
     done (None for a fresh run)."""
     prepare_out(cfg)
-    train_set = reward.load_problems(cfg.data, "train", seed=cfg.seed, slip=cfg.arith_slip)
-    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", seed=cfg.seed)
+    arith_steps = tuple(int(n) for n in cfg.arith_steps.split("-"))
+    train_set = reward.load_problems(cfg.data, "train", steps=arith_steps, slip=cfg.arith_slip)
+    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", steps=arith_steps)
     eval_set = eval_set[: cfg.eval_problems or None]
     resume_from, state = find_resume(cfg)
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
     if cfg.gradient_checkpointing:  # non-reentrant, so DDP and FSDP take it
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     for problem in train_set + eval_set:
-        problem["prompt_ids"] = reward.encode_prompt(tok, problem["question"])
+        problem["prompt_ids"] = reward.encode_prompt(tok, problem["prompt"])
     train_set, eval_set = (drop_long_prompts(problems, cfg.max_prompt_tokens, split)
                            for problems, split in ((train_set, "training"), (eval_set, "held-out")))
     if cfg.sft_steps and not resume_from:  # the KL reference and the critic start from the SFT policy

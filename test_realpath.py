@@ -13,15 +13,19 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaToke
 import checkpoint
 import rollout
 import vine
-from reward import (PROMPT, STOP, arith_dataset, encode_prompt, gsm8k_reward, read_jsonl, sft_example,
+from reward import (ARITH_PROMPT, PROMPT, STOP, arith_dataset, encode_prompt, gsm8k_reward, read_jsonl, sft_example,
                     sft_target)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = read_jsonl(os.path.join(HERE, "fixtures", "gsm8k_sample.jsonl"))  # 55 real GSM8K problems
 
 
+def gsm8k_prompt(question: str) -> str:
+    return PROMPT.format(question=question.strip())
+
+
 def sft_text(problem: dict) -> str:
-    return PROMPT.format(question=problem["question"].strip()) + sft_target(problem["answer"])
+    return gsm8k_prompt(problem["question"]) + sft_target(problem["answer"])
 
 
 # ---- tokenizers built in code ----------------------------------------------------------------
@@ -76,7 +80,7 @@ def char_tok(tmp_path_factory):
 
 def llama_response(tok, question: str, text: str) -> list[int]:
     """`text` tokenized as it follows the prompt, as sampling sees it (sft_example), EOS dropped."""
-    ids, n_prompt = sft_example(tok, question, text[1:-1])  # sft_target adds the '\n' on each side
+    ids, n_prompt = sft_example(tok, gsm8k_prompt(question), text[1:-1])  # sft_target adds the '\n' on each side
     return ids[n_prompt:-1]
 
 
@@ -156,13 +160,13 @@ def test_char_level_boundaries_unchanged(char_tok):
 def test_sft_example_has_no_spurious_leading_token(llama_tok):
     tok = llama_tok
     for p in FIXTURE:
-        ids, n_prompt = sft_example(tok, p["question"], p["answer"])
+        ids, n_prompt = sft_example(tok, gsm8k_prompt(p["question"]), p["answer"])
         target = sft_target(p["answer"])
-        assert ids[:n_prompt] == encode_prompt(tok, p["question"]) and ids[0] == tok.bos_token_id
+        assert ids[:n_prompt] == encode_prompt(tok, gsm8k_prompt(p["question"])) and ids[0] == tok.bos_token_id
         alone = tok(target, add_special_tokens=False).input_ids  # the old way: a spurious '▁' first
         assert tok.convert_ids_to_tokens(alone[:2]) == ["▁", "<0x0A>"]
         assert tok.convert_ids_to_tokens(ids[n_prompt]) == "<0x0A>" and ids[-1] == tok.eos_token_id
-        assert tok.decode(ids[1:-1]) == PROMPT.format(question=p["question"].strip()) + target
+        assert tok.decode(ids[1:-1]) == gsm8k_prompt(p["question"]) + target
         assert tok.decode(ids[n_prompt:], skip_special_tokens=True) == target
 
 
@@ -171,18 +175,19 @@ def test_sft_example_char_level_unchanged(char_tok):
     tok = char_tok
     for p in arith_dataset(100, seed=2, slip=0.25):
         before = tok(sft_target(p["demonstration"]), add_special_tokens=False).input_ids + [tok.eos_token_id]
-        prompt_ids = encode_prompt(tok, p["question"])
-        assert sft_example(tok, p["question"], p["demonstration"]) == (prompt_ids + before, len(prompt_ids))
+        prompt = ARITH_PROMPT.format(question=p["question"])
+        prompt_ids = encode_prompt(tok, prompt)
+        assert sft_example(tok, prompt, p["demonstration"]) == (prompt_ids + before, len(prompt_ids))
 
 
 def test_sft_example_when_a_token_spans_the_prompt_end(byte_tok):
     """Byte-level BPE with a ':\\n' token: tokenized jointly, the prompt's last token would change,
     so the prompt ids stay encode_prompt's and the target is tokenized alone."""
     tok, p = byte_tok, FIXTURE[0]
-    prompt_ids = encode_prompt(tok, p["question"])
+    prompt_ids = encode_prompt(tok, gsm8k_prompt(p["question"]))
     assert tok.convert_ids_to_tokens(prompt_ids[-1]) == ":"  # sampling starts after ':'
     assert ":Ċ" in tok.convert_ids_to_tokens(tok(sft_text(p)).input_ids)  # ':\n' (Ċ: byte-level '\n')
-    ids, n_prompt = sft_example(tok, p["question"], p["answer"])
+    ids, n_prompt = sft_example(tok, gsm8k_prompt(p["question"]), p["answer"])
     assert ids[:n_prompt] == prompt_ids and ids[-1] == tok.eos_token_id
     assert tok.decode(ids[:-1]) == sft_text(p)
 
@@ -222,7 +227,7 @@ def runaway_model(char_tok):
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(config)
-    prompt = encode_prompt(tok, "What is 5+3?")
+    prompt = encode_prompt(tok, gsm8k_prompt("What is 5+3?"))
     response = tok(RUNAWAY, add_special_tokens=False).input_ids + [tok.eos_token_id]
     ids = torch.tensor([prompt + response])
     labels = ids.clone()

@@ -39,18 +39,27 @@ def test_gsm8k_grader_reference_rules():
     assert gsm8k_reward("#### 7\n#### 72", "72") == 1.0
 
 
-def test_arith_task_is_consistent_and_multistep():
-    for p in arith_dataset(200, seed=3):
-        lines = p["answer"].split("\n")
-        assert 2 <= len(lines) - 1 <= 5 and lines[-1].startswith("#### ")
-        total = None
-        for line in lines[:-1]:  # every step recomputes the running total
-            lhs, rhs = line.split("=")
-            a, op, b = (lhs.partition("+") if "+" in lhs else lhs.partition("-"))
-            assert total is None or int(a) == total
-            total = int(a) + int(b) if op == "+" else int(a) - int(b)
-            assert total == int(rhs) and total >= 0
+@pytest.mark.parametrize("steps", [(2, 5), (1, 1), (6, 8), (8, 8)])
+def test_arith_task_is_consistent_and_multistep(steps):
+    """Every line recomputes the running total, a single digit; a slipped demonstration's lines
+    are off by one where they slip and follow on from there; chains have MIN to MAX steps."""
+    slipped = 0
+    for p in arith_dataset(300, seed=3, steps=steps, slip=0.25):
+        lines, demo = p["answer"].split("\n"), p["demonstration"].split("\n")
+        assert steps[0] <= len(lines) - 1 <= steps[1] and lines[-1].startswith("#### ")
+        for text in (lines, demo):
+            total = None
+            for line in text[:-1]:
+                lhs, rhs = line.split("=")
+                a, op, b = (lhs.partition("+") if "+" in lhs else lhs.partition("-"))
+                assert total is None or int(a) == total  # the chain goes on from the line above
+                exact = int(a) + int(b) if op == "+" else int(a) - int(b)
+                assert int(rhs) - exact in ((0,) if text is lines else (-1, 0, 1)) and 0 <= int(rhs) <= 9
+                slipped += int(rhs) != exact
+                total = int(rhs)
+            assert text[-1] == f"#### {total}"
         assert gsm8k_reward(sft_target(p["answer"]), p["answer"]) == 1.0
+    assert slipped > 0
 
 
 # ---- steps and advantages -----------------------------------------------------------------
@@ -471,6 +480,28 @@ def test_diagnostic_metrics_hand_examples():
     assert diagnose.delta_correlation(rows, "est") == pytest.approx(1.0)
 
 
+def test_compare_summary_hand_example(tmp_path):
+    """compare.py: accuracy at each evaluation against training seconds (evaluation excluded), the
+    mean and standard error over seeds, and the accuracy when the fastest method had finished."""
+    import compare
+
+    def write(name, rows):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return compare.curve(str(tmp_path / name))
+
+    slow = [write(f"slow{s}", [{"iteration": 0, "eval_accuracy": 0.5}, {"iteration": 1, "seconds": 10.0},
+                               {"iteration": 2, "seconds": 10.0, "eval_accuracy": acc}]) for s, acc in ((0, .7), (1, .9))]
+    fast = [write("fast0", [{"iteration": 0, "eval_accuracy": 0.5}, {"iteration": 1, "seconds": 5.0},
+                            {"iteration": 2, "seconds": 6.0, "eval_accuracy": 0.6}])]
+    assert slow[0] == [(0, 0.0, 0.5), (2, 20.0, 0.7)] and fast[0] == [(0, 0.0, 0.5), (2, 11.0, 0.6)]
+    summary = compare.summarize({"slow": slow, "fast": fast})
+    assert summary["slow"]["final"] == pytest.approx((0.8, 0.1))  # s.e. = stdev 0.1414 / sqrt(2)
+    assert summary["slow"]["seconds"] == 20.0 and summary["slow"]["budget"] == 11.0
+    assert summary["slow"]["at_budget"] == pytest.approx((0.5, 0.0))  # by 11 s only its start was evaluated
+    assert summary["fast"]["at_budget"] == (0.6, 0.0)
+
+
 # ---- data errors and end-to-end runs ------------------------------------------------------
 
 @pytest.mark.parametrize("content, message", [
@@ -691,6 +722,8 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
     (["--eval-every", "-1"], "--eval-every -1: expected >= 0"),
     (["--gamma", "2"], "--gamma 2.0: expected between 0 and 1"),
     (["--arith-slip", "1.5"], "--arith-slip 1.5: expected between 0 and 1"),
+    (["--arith-steps", "5-2"], "--arith-steps '5-2': expected MIN-MAX, 1 <= MIN <= MAX <= 8"),
+    (["--arith-steps", "2-9"], "--arith-steps '2-9': expected MIN-MAX, 1 <= MIN <= MAX <= 8"),
     (["--kl-coef", "-1"], "--kl-coef -1.0: expected >= 0"),
     (["--value-head", "scalar"], "--value-head 'scalar': only ppo and tppo have a critic, not vineppo"),
     (["--value-head", "tracking", "--algo", "grpo"], "--value-head 'tracking': only ppo and tppo have a critic"),

@@ -93,6 +93,8 @@ class Config:
     sft_steps: int = arg(0, "supervised warm-up steps on the gold solutions before RL", at_least(0))
     sft_lr: float = arg(1e-5, "SFT learning rate", at_least(0))
     sft_batch: int = arg(64, "SFT batch size", at_least(1))
+    arith_steps: str = arg("2-5", "arith only: steps per chain, MIN-MAX (the difficulty)",
+                           (lambda v: re.fullmatch(r"[1-8]-[1-8]", v) and v[0] <= v[2], "MIN-MAX, 1 <= MIN <= MAX <= 8"))
     arith_slip: float = arg(0.0, "arith only: chance that a step of an SFT demonstration is off by one",
                             between(0, 1))
     max_batch_tokens: int = arg(524288, "memory budget of one generation batch: rows x (prefix + new tokens)",
@@ -112,10 +114,10 @@ class Config:
 
 # The offline demo (--model tiny), in one place: a 0.9M-parameter model, SFT from scratch on
 # demonstrations with careless off-by-one slips, then VinePPO removes the slips. Sized for a 2-core CPU.
-DEMO = dict(iterations=32, prompts_per_iter=32, samples_per_prompt=8, mc_rollouts=4, minibatch=64,
-            micro_batch=64, lr=3e-5, warmup=0.0, kl_coef=1e-3, max_new_tokens=64, eval_every=8,
-            eval_problems=200, eval_samples=4, eval_temperature=0.6, save_every=8, sft_steps=500,
-            sft_lr=3e-3, arith_slip=0.25, max_batch_tokens=32768, critic_lr=1e-4)
+DEMO = dict(iterations=20, prompts_per_iter=32, samples_per_prompt=8, mc_rollouts=4, minibatch=64,
+            micro_batch=64, lr=1e-4, warmup=0.0, kl_coef=1e-3, max_new_tokens=64, eval_every=5,
+            eval_problems=400, eval_samples=2, eval_temperature=0.6, save_every=10, sft_steps=1500,
+            sft_batch=16, sft_lr=1e-3, arith_slip=0.25, max_batch_tokens=32768, critic_lr=1e-4)
 
 
 def parse_args(argv=None) -> Config:
