@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-import train
+import config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,14 +44,14 @@ def main():
     p.add_argument("--out", default="compare", help="directory for all runs (finished runs are reused)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
     p.add_argument("--algos", default="vineppo,ppo,tppo,grpo")
-    p.add_argument("--iterations", type=int, default=train.DEMO["iterations"])
+    p.add_argument("--iterations", type=int, default=config.DEMO["iterations"])
     p.add_argument("--eval-every", type=int, default=4)
     args = p.parse_args()
     seeds, algos = [int(s) for s in args.seeds.split(",")], args.algos.split(",")
 
     run(os.path.join(args.out, "sft"), "--iterations", "0")  # the demo's SFT warm start, once
     start = os.path.join(args.out, "sft", "checkpoint")
-    settings = {**train.DEMO, "iterations": args.iterations, "sft_steps": 0, "eval_every": args.eval_every}
+    settings = {**config.DEMO, "iterations": args.iterations, "sft_steps": 0, "eval_every": args.eval_every}
     flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     curves, seconds = {}, {}
     for algo in algos:

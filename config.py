@@ -1,0 +1,116 @@
+"""The settings of train.py: each with its default, its help (--help) and its rule, checked once before
+any work; DEMO, the preset of the offline demo; parse_args."""
+import argparse
+import dataclasses
+import math
+import re
+import sys
+
+import precision
+import value
+
+
+def arg(default, help, valid=None):
+    """A setting: its default, its help, and its rule (a test and the words for what it expects)."""
+    return dataclasses.field(default=default, metadata={"help": help, "valid": valid})
+
+
+at_least = lambda low: (lambda v: v >= low, f">= {low}")
+above = lambda low: (lambda v: v > low, f"> {low}")
+between = lambda low, high: (lambda v: low <= v <= high, f"between {low} and {high}")
+one_of = lambda *names: (lambda v: v in names, "one of " + ", ".join(names))
+DEVICE = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+@dataclasses.dataclass
+class Config:
+    """Defaults follow the reference's rho-1.1B GSM8K run; DEMO below overrides a few for --model tiny."""
+    model: str = arg("tiny", "'tiny' (built offline), 'rho-math-1.1b', or any HF model id / local path")
+    data: str = arg("arith", "'arith' (built-in task), 'gsm8k' (hub), or a .jsonl file with question/answer")
+    eval_data: str = arg("", "held-out problems; default: the test split of --data (for .jsonl: the same file)")
+    out: str = arg("out", "output directory: metrics.jsonl, samples.jsonl, checkpoint/")
+    algo: str = arg("vineppo", "vineppo (MC values) | ppo (critic, GAE) | tppo (tracking critic, GAE) | grpo",
+                    one_of("vineppo", "ppo", "tppo", "grpo"))
+    seed: int = arg(0, "random seed")
+    iterations: int = arg(650, "RL iterations (sample, estimate, update)", at_least(0))
+    prompts_per_iter: int = arg(64, "problems sampled per iteration", at_least(1))
+    samples_per_prompt: int = arg(8, "responses sampled per problem", at_least(1))
+    mc_rollouts: int = arg(9, "K: continuations per state for the MC value", at_least(1))
+    max_value_states: int = arg(26, "states per response with an MC value (the reference's s_0..s_25); "
+                                "later ones take the realised return", at_least(1))
+    value_head: str = arg("", "critic head for ppo/tppo: scalar | tracking | bce (default: scalar for ppo, "
+                          "tracking for tppo)", one_of("", *value.HEADS))
+    critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)", at_least(0))
+    critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves", at_least(0))
+    gamma: float = arg(1.0, "GAE discount", between(0, 1))
+    lam: float = arg(1.0, "GAE lambda of the policy's advantages", between(0, 1))
+    lam_critic: float = arg(1.0, "GAE lambda of the critic's targets", between(0, 1))
+    value_clip: float = arg(0.2, "clip range of the scalar critic around its old values", above(0))
+    epochs: int = arg(2, "PPO epochs over each iteration's episodes", at_least(1))
+    minibatch: int = arg(64, "episodes per optimizer step", at_least(1))
+    micro_batch: int = arg(16, "episodes per forward/backward pass (gradient accumulation)", at_least(1))
+    lr: float = arg(1e-6, "policy learning rate (AdamW)", at_least(0))
+    warmup: float = arg(0.03, "fraction of optimizer steps with log-shaped warm-up, then linear decay to 0",
+                        between(0, 1))
+    clip: float = arg(0.2, "PPO clip range epsilon", above(0))
+    kl_coef: float = arg(1e-4, "coefficient of the k3 KL to the reference model, in the loss", at_least(0))
+    temperature: float = arg(0.6, "sampling temperature (also divides the logits of every training log-prob)",
+                             above(0))
+    top_p: float = arg(0.9, "nucleus sampling (the log-probs do not model it: 1.0 samples exactly the policy)",
+                       (lambda v: 0 < v <= 1, "in (0, 1]"))
+    max_new_tokens: int = arg(1024, "token budget of a response; an unfinished response scores 0", at_least(1))
+    max_prompt_tokens: int = arg(1512, "problems with longer prompts are skipped", at_least(1))
+    eval_every: int = arg(10, "evaluate every N iterations (iteration 0 = before RL; 0: only at the end)",
+                          at_least(0))
+    eval_problems: int = arg(0, "held-out problems per evaluation (0 = all)", at_least(0))
+    eval_samples: int = arg(16, "samples per held-out problem (accuracy = mean over them)", at_least(1))
+    eval_temperature: float = arg(0.35, "sampling temperature at evaluation (0 = greedy)", at_least(0))
+    save_every: int = arg(10, "write OUT/checkpoint every N iterations and at the end (0: only at the end)",
+                          at_least(0))
+    sft_steps: int = arg(0, "supervised warm-up steps on the gold solutions before RL", at_least(0))
+    sft_lr: float = arg(1e-5, "SFT learning rate", at_least(0))
+    sft_batch: int = arg(64, "SFT batch size", at_least(1))
+    arith_slip: float = arg(0.0, "arith only: chance that a step of an SFT demonstration is off by one",
+                            between(0, 1))
+    max_batch_tokens: int = arg(524288, "memory budget of one generation batch: rows x (prefix + new tokens)",
+                                at_least(1))
+    forward_batch_tokens: int = arg(32768, "memory budget of one log-prob / value forward pass, in tokens",
+                                    at_least(1))
+    device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
+    precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights (default: bf16 on CUDA, else fp32)",
+                         one_of("", *precision.PRECISIONS))
+    resume: bool = arg(False, "continue from the last complete checkpoint in --out")
+    overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, replacing its results")
+    trust_remote_code: bool = arg(False, "allow model code from the hub (off: transformers' own architectures)")
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in backward: less memory, "
+                                       "slower updates (the reference runs with it)")
+    fsdp: bool = arg(False, "under torchrun: shard policy and critic (weights, grads, AdamW) with FSDP2")
+
+
+# The offline demo (--model tiny), in one place: a 0.9M-parameter model, SFT from scratch on
+# demonstrations with careless off-by-one slips, then VinePPO removes the slips. Sized for a 2-core CPU.
+DEMO = dict(iterations=32, prompts_per_iter=32, samples_per_prompt=8, mc_rollouts=4, minibatch=64,
+            micro_batch=64, lr=3e-5, warmup=0.0, kl_coef=1e-3, max_new_tokens=64, eval_every=8,
+            eval_problems=200, eval_samples=4, eval_temperature=0.6, save_every=8, sft_steps=500,
+            sft_lr=3e-3, arith_slip=0.25, max_batch_tokens=32768, critic_lr=1e-4)
+
+
+def parse_args(argv=None, description: str = "") -> Config:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)  # one line, no usage
+    for f in dataclasses.fields(Config):
+        kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
+        default = f"{DEMO[f.name]} in the demo (--model tiny), else {f.default}" if f.name in DEMO \
+            else f.default
+        shown = f" (default: {default})" if default != "" else ""  # "" defaults are explained in the help
+        p.add_argument("--" + f.name.replace("_", "-"), default=None, help=f.metadata["help"] + shown, **kind)
+    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    cfg = Config(**{**(DEMO if given.get("model", Config.model) == "tiny" else {}), **given})
+    for f in dataclasses.fields(Config):  # every setting against its rule, once, before any work
+        v, (test, expected) = getattr(cfg, f.name), f.metadata["valid"] or (lambda v: True, "")
+        if (isinstance(v, float) and not math.isfinite(v)) or not test(v):
+            p.error(f"--{f.name.replace('_', '-')} {v!r}: expected {expected or 'a finite number'}")
+    if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
+        p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
+    cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
+    return cfg
