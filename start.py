@@ -1,24 +1,25 @@
-"""Everything before the first iteration: the process (device, seeds, precision), the output
-directory, data, models (the SFT warm start, the frozen reference, the critic) and optimizers;
-on --resume, all of it as the last checkpoint left it (checkpoint.py)."""
+"""Everything before the first iteration: the process (device, seeds, precision), the output directory,
+data, models (the SFT warm start, the frozen reference, the critic) and optimizers; on --resume, all of it
+as the last checkpoint left it (checkpoint.py)."""
 import copy
 import math
 import os
 import random
 
 import torch
-
 from tqdm import tqdm
 
 import parallel
 import ppo
 import precision
 import reward
-import sft
+import rollout
 import value
 from checkpoint import ALIASES, RESULTS, build_tiny_model, find_resume, load_critic, load_model, \
     restore_training_state, save_checkpoint
 from reward import DataError
+
+RECOMPUTE = dict(activation_checkpointing_kwargs={"use_reentrant": False})  # so DDP and FSDP take it
 
 
 def start_process(cfg):
@@ -35,29 +36,26 @@ def start_process(cfg):
     random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)  # processes sample different responses
     cfg.precision = cfg.precision or precision.default_precision(device)
-    autocast = precision.autocast(device, cfg.precision)  # every forward pass; fp32 master weights
-    return rank, world, device, autocast
+    return rank, world, device, precision.autocast(device, cfg.precision)  # every forward pass
 
 
 def start_run(cfg, device, autocast):
-    """Data, models (SFT warm start, frozen reference, critic) and optimizers; on --resume, all of
-    it as the last checkpoint left it. Returns the learners (ppo.Learner) and the last iteration
-    done (None for a fresh run)."""
+    """Data, models and optimizers, or all of them from --resume's checkpoint. Returns the learners
+    (ppo.Learner) and the last iteration done (None for a fresh run)."""
     prepare_out(cfg)
     train_set = reward.load_problems(cfg.data, "train", seed=cfg.seed, slip=cfg.arith_slip)
     eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", seed=cfg.seed)
     eval_set = eval_set[: cfg.eval_problems or None]
     resume_from, state = find_resume(cfg)
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
-    if cfg.gradient_checkpointing:  # non-reentrant, so DDP and FSDP take it
-        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:
+        policy.activation_checkpointing_enable(**RECOMPUTE)
     for problem in train_set + eval_set:
         problem["prompt_ids"] = reward.encode_prompt(tok, problem["question"])
     train_set, eval_set = (drop_long_prompts(problems, cfg.max_prompt_tokens, split)
                            for problems, split in ((train_set, "training"), (eval_set, "held-out")))
     if cfg.sft_steps and not resume_from:  # the KL reference and the critic start from the SFT policy
-        sft.sft_warm_start(policy, tok, train_set, steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch,
-                       seed=cfg.seed, fsdp=cfg.fsdp, device=device, autocast=autocast)
+        sft_warm_start(policy, tok, train_set, cfg, device, autocast)
         ref.load_state_dict(parallel.full_state_dict(policy))
         if parallel.rank() == 0:
             save_checkpoint(cfg.out, ref, tok, name="reference")  # resumed runs reload it
@@ -66,8 +64,7 @@ def start_run(cfg, device, autocast):
         critic = load_critic(resume_from, device) if resume_from else \
             value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
-            critic.backbone.activation_checkpointing_enable(
-                activation_checkpointing_kwargs={"use_reentrant": False})
+            critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
     ref.eval().requires_grad_(False)
     precision.cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
     # one AdamW state and LR schedule per trained model, kept across iterations (reference pitfall 12)
@@ -91,27 +88,25 @@ def drop_long_prompts(problems: list[dict], max_tokens: int, split: str) -> list
 
 
 def prepare_out(cfg):
-    """Create --out and check that this process can write there, and that a fresh start would
-    not destroy an earlier run's results (unless --overwrite)."""
-    out = cfg.out
-    found = [name for name in RESULTS if os.path.exists(os.path.join(out, name))]
+    """Create --out, check that this process can write there and that a fresh start would not destroy
+    an earlier run's results (unless --overwrite)."""
+    found = [name for name in RESULTS if os.path.exists(os.path.join(cfg.out, name))]
     if found and not cfg.resume and not cfg.overwrite:
-        raise DataError(f"--out {out!r} holds an earlier run ({', '.join(found)}): "
+        raise DataError(f"--out {cfg.out!r} holds an earlier run ({', '.join(found)}): "
                         "pass --resume to continue it or --overwrite to replace it")
     try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".writable{parallel.rank()}")
+        os.makedirs(cfg.out, exist_ok=True)
+        probe = os.path.join(cfg.out, f".writable{parallel.rank()}")
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        raise DataError(f"--out {out!r}: not writable ({e.strerror})") from None
+        raise DataError(f"--out {cfg.out!r}: not writable ({e.strerror})") from None
 
 
 def load_policy_and_reference(cfg, resume_from: str | None, device):
-    """(tokenizer, policy, frozen reference). The tiny demo model is built once in OUT/tiny-init.
-    A resumed run reloads the policy from its checkpoint and the reference from OUT/reference
-    (written after SFT) or from the starting model; otherwise the reference is a copy of the
-    policy, which SFT (if any) then overwrites."""
+    """(tokenizer, policy, frozen reference). The tiny demo model is built once in OUT/tiny-init. On
+    resume the reference comes from OUT/reference (written after SFT) or the starting model; otherwise
+    it is a copy of the policy, which SFT (if any) then overwrites."""
     name = ALIASES.get(cfg.model, cfg.model)
     if name == "tiny":
         name = os.path.join(cfg.out, "tiny-init")
@@ -123,3 +118,34 @@ def load_policy_and_reference(cfg, resume_from: str | None, device):
         return tok, policy, copy.deepcopy(policy)
     ref_path = os.path.join(cfg.out, "reference") if cfg.sft_steps else name
     return tok, policy, load_model(ref_path, device, cfg.trust_remote_code)[1]
+
+
+def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
+    """Supervised warm start (reference §3.3): --sft-steps AdamW steps on random batches of the gold (or
+    demonstration) solutions, cross-entropy on the response tokens only, each process a share of every
+    batch; LR warm-up over 20 steps then linear decay, gradients clipped to norm 1."""
+    rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
+    rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
+    policy.train()
+    optim = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+    for step in tqdm(range(steps), desc="sft", disable=rank != 0):
+        batch = rng.sample(problems, min(cfg.sft_batch, len(problems)))[rank::world]
+        examples = [reward.sft_example(tok, p["question"], p.get("demonstration", p["answer"])) for p in batch]
+        ids, mask = rollout.pad_right([seq for seq, _ in examples], rollout.pad_id(tok), device)
+        labels = ids.masked_fill(mask == 0, -100)
+        for i, (_, n_prompt) in enumerate(examples):
+            labels[i, :n_prompt] = -100  # the loss covers the response only
+        for group in optim.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 20) * (1 - step / steps)
+        # the token mean of the whole batch: each process's token sum over the global count, times
+        # the processes, since DDP averages their gradients (a mean of per-process means would not be)
+        n_tokens = parallel.all_reduce_sum((labels[:, 1:] != -100).sum())
+        with autocast:
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n_tokens)
+            loss = out.loss * world
+        optim.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optim.step()
+    optim.zero_grad()  # the first RL step must not add the last SFT gradient
+    policy.eval()  # training mode (dropout) only inside an update
