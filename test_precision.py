@@ -105,7 +105,7 @@ def test_bce_gradient_reaches_the_head_output_at_the_last_response_token(model, 
     prompt_lens, rewards = torch.tensor([3, 2]), torch.tensor([1.0, 0.0])
     act = torch.zeros(2, 6)
     act[0, 2:6], act[1, 1:3] = 1, 1  # actions: columns P-1 .. P+T-2
-    loss, _ = value.critic_loss(critic, critic(ids, mask, prompt_lens), None, None, rewards, act)
+    loss, _ = critic.loss(critic(ids, mask, prompt_lens), None, None, rewards, act)
     loss.backward()
     grad = outputs[0].grad.squeeze(-1) * 16
     if head == "tracking":  # b at P-1 takes every state; the last token (columns 6 and 3) only s_T
