@@ -1,11 +1,9 @@
 """KV-cache prefix forking: VinePPO's environment reset.
 
-A text environment can be reset to any prefix (VinePPO §3). Here that reset costs one copy:
-the forward pass over whole trajectories already holds the keys/values of every prefix, so a
-state is forked by copying that cache up to the state's boundary, K times, into buffers with
-room for the continuation, and decoding on from there (rollout.sample). Many states of many
-trajectories are forked together: their prefixes are right-aligned (left padding inside the
-cache), the attention mask hides the padding, and `generate` derives positions from the mask.
+A text environment can be reset to any prefix (VinePPO §3). The forward pass over whole trajectories
+already holds the keys/values of every prefix, so a state is forked by copying that cache up to its
+boundary, K times, into buffers with room for the continuation, and decoding on (rollout.sample).
+Prefixes are right-aligned (left padding inside the cache, hidden by the attention mask).
 """
 import torch
 from transformers import DynamicCache
@@ -13,9 +11,8 @@ from transformers.cache_utils import DynamicLayer
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A cache layer whose keys/values live in buffers sized for the whole generation: each
-    decoding step writes its column in place. (DynamicLayer re-allocates the whole cache with
-    torch.cat at every step, which dominated the time of large forked batches.)"""
+    """A cache layer whose keys/values live in buffers sized for the whole generation, each decoding
+    step writing its column in place (DynamicLayer's torch.cat per step dominated large forked batches)."""
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
         super().__init__()
@@ -37,13 +34,11 @@ FORK_METHODS = ("copy", "gather")
 
 def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
          method: str = "copy"):
-    """Reset the environment to each prefix, k times: prefix j is row rows[j] of the batch whose
-    forward pass made `cache`. Returns left-padded ids [n*k, W], their attention mask, and a cache
-    holding the keys/values of the first W-1 columns (right-aligned; padding columns zero and
-    masked) in buffers of one dtype (fork_dtype) with room for new_tokens more. The last column
-    is left out of the cache: `generate` feeds it to get the first new logits. method: "copy"
-    (block copies per row, fast on a CPU) or "gather" (one indexed read per tensor, for GPUs);
-    the two give equal buffers."""
+    """Reset the environment to each prefix, k times (prefix j: row rows[j] of the pass that made `cache`).
+    Returns left-padded ids [n*k, W], their mask, and a cache of the first W-1 columns (right-aligned,
+    padding zero and masked; `generate` feeds the last column) with room for new_tokens more, in one
+    dtype. method: "copy" (block copies per row, fast on a CPU) or "gather" (one indexed read per
+    tensor, for GPUs); the two give equal buffers."""
     assert method in FORK_METHODS, method
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     ends = [len(p) for p in prefixes for _ in range(k)]
@@ -53,12 +48,14 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
         ids[j * k:(j + 1) * k, width - len(p):] = torch.tensor(p, device=device)
     starts = width - torch.tensor(ends, device=device)[:, None]  # first column of each prefix
     mask = (torch.arange(width, device=device)[None, :] >= starts).long()
-    dtype = fork_dtype(cache.layers[0].values)
-    if method == "gather":
-        index = gather_index(sources, ends, width, new_tokens, device)
+    dtype, capacity = fork_dtype(cache.layers[0].values), width - 1 + new_tokens
+    if method == "gather":  # buffer column c of fork i reads column c - starts[i] of its row
+        cols = torch.arange(capacity, device=device)[None, :] - starts
+        source_rows = torch.tensor(sources, device=device)[:, None, None]
+        index = source_rows, cols[:, None, :], (cols < 0)[:, None, :, None]
         make_buffer = lambda x: gathered_rows(x, *index, dtype)
     else:
-        make_buffer = lambda x: copied_rows(x, sources, ends, width - 1 + new_tokens, dtype)
+        make_buffer = lambda x: copied_rows(x, sources, ends, capacity, dtype)
     forked = DynamicCache()
     for keys, values, *_ in cache:  # each [B, H, L, D]
         forked.layers.append(PreallocatedLayer(make_buffer(keys), make_buffer(values), width - 1))
@@ -66,16 +63,15 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
 
 
 def fork_dtype(values: torch.Tensor) -> torch.dtype:
-    """One dtype for keys and values: the autocast dtype when autocast is on (the keys leave RoPE
-    in fp32, the values bf16, and attention casts both to bf16 at every step: a bf16 copy holds
-    what is used, in 2/3 of the memory), else the cache's own."""
+    """The autocast dtype when autocast is on (attention casts keys and values to it at every step: a
+    bf16 copy holds what is used, in less memory), else the cache's own."""
     device_type = values.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else values.dtype
 
 
 def copied_rows(x, sources: list[int], ends: list[int], capacity: int, dtype) -> torch.Tensor:
-    """Buffer [n, H, capacity, D]: row i holds the first ends[i]-1 columns of x[sources[i]],
-    ending at column W-1 (W = max(ends)), zeros before them; the columns after are left unset."""
+    """Buffer [n, H, capacity, D]: row i holds the first ends[i]-1 columns of x[sources[i]], ending at
+    column W-1 (W = max(ends)), zeros before them; the columns after are left unset."""
     width = max(ends)
     buf = x.new_empty(len(ends), x.shape[1], capacity, x.shape[3], dtype=dtype)
     for i, (row, e) in enumerate(zip(sources, ends)):  # block copies: on a CPU far faster than a gather
@@ -84,19 +80,9 @@ def copied_rows(x, sources: list[int], ends: list[int], capacity: int, dtype) ->
     return buf
 
 
-def gather_index(sources: list[int], ends: list[int], width: int, new_tokens: int, device):
-    """Where each buffer column reads from, for gathered_rows: the source rows [n, 1, 1] and columns
-    [n, 1, W-1+new] (column c of fork i reads column c - (W - ends[i]) of its row), and which
-    columns are left padding [n, 1, W-1+new, 1]."""
-    shift = width - torch.tensor(ends, device=device)[:, None]
-    cols = torch.arange(width - 1 + new_tokens, device=device)[None, :] - shift
-    rows = torch.tensor(sources, device=device)[:, None, None]
-    return rows, cols[:, None, :], (cols < 0)[:, None, :, None]
-
-
 def gathered_rows(x, rows, cols, padding, dtype) -> torch.Tensor:
-    """copied_rows' buffer in one indexed read of x [B, H, L, D] and one fill: a few large GPU
-    kernels per layer where the copies are several small ones per row."""
+    """copied_rows' buffer in one indexed read of x [B, H, L, D] (source rows [n, 1, 1], columns
+    [n, 1, C]) and one fill of the left padding [n, 1, C, 1]: a few large GPU kernels per layer."""
     heads = torch.arange(x.shape[1], device=x.device)[None, :, None]
-    buf = x[rows, heads, cols.clamp(0, x.shape[2] - 1)].to(dtype)  # [n, H, W-1+new, D]
+    buf = x[rows, heads, cols.clamp(0, x.shape[2] - 1)].to(dtype)  # [n, H, C, D]
     return buf.masked_fill_(padding, 0)  # left padding: masked, but must be finite
