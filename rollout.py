@@ -1,6 +1,5 @@
 """Sampling with HF `generate` from forks of a KV cache (kv_fork.py), per-token log-probs, the
-reference's stop rule and token budgets, and the batching of forward passes.
-"""
+reference's stop rule and token budgets, and the batching of forward passes."""
 import json
 import os
 from dataclasses import dataclass, field
@@ -40,8 +39,7 @@ def pad_right(seqs: list[list[int]], pad_id: int, device=None):
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    lengths = torch.tensor([len(s) for s in seqs])
-    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    mask = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]).long()
     return ids.to(device), mask.to(device)
 
 
@@ -49,19 +47,16 @@ LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax: at a 32k vocabulary, 1
 
 
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
-    """log pi(x_{t+1} | x_<=t) for t = 0..L-2: [B, L-1]. Logits are divided by the sampling
-    temperature, because the policy that sampled was softmax(logits / T) (reference §2.3).
-    With keep_cache, also returns the KV cache of this pass, for forking."""
+    """log pi(x_{t+1} | x_<=t) for t = 0..L-2: [B, L-1], from logits / T, since the policy that sampled
+    was softmax(logits / T) (reference §2.3). With keep_cache, also this pass's KV cache, for forking."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
     logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
     return logp, (out.cache if keep_cache else None)
 
 
 def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
-    """log_softmax(logits / T)[target] at every position: logits [B, N, V], targets [B, N] -> [B, N],
-    in at least fp32. A few positions at a time: upcast, division and log-softmax of the whole
-    logits held two fp32 copies of them at once (8.4 GB at a 32k vocabulary and a 32k-token pass,
-    beside the logits). The log-softmax is per position: chunks give the numbers of one pass."""
+    """log_softmax(logits / T)[target]: [B, N, V], [B, N] -> [B, N], in at least fp32. A few positions at
+    a time: the whole logits upcast and log-softmaxed would hold two more fp32 copies of them at once."""
     step = max(1, chunk_tokens // logits.shape[0])
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32 (float64 stays)
     pieces = []
@@ -71,26 +66,26 @@ def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOG
     return torch.cat(pieces, 1)
 
 
-def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top_p: float, eos_id: int,
-           tokenizer=None, stop: str | None = None):
-    """HF `generate` on from fork()'s output: [n, new_tokens] new ids (temperature 0 = greedy).
-    A row also stops once its text reaches `stop` (HF's stop_strings, which needs the tokenizer).
-    Rows that stopped are filled with EOS, so every stopped row ends at its first EOS."""
+def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_method: str, pad_id: int, *,
+                    temperature: float, top_p: float, eos_id: int, tokenizer=None, stop: str | None = None):
+    """k forks of each prefix (kv_fork.fork), decoded on by HF `generate` for up to `budget` new tokens
+    (temperature 0 = greedy; a row also stops when its text reaches `stop`): new ids, as lists, rows
+    that stopped filled with EOS. The fork buffers die on return: two batches' are never alive at once."""
+    ids, mask, forked = fork(cache, prefixes, rows, k, budget, pad_id, fork_method)
     # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
         else dict(do_sample=False)
     # synced_gpus=False: each process decodes on its own (with FSDP, HF would lock processes in step)
-    out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=new_tokens,
+    out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=budget,
                          eos_token_id=eos_id, pad_token_id=eos_id, stop_strings=stop, tokenizer=tokenizer,
                          synced_gpus=False, **sampling)
-    return out[:, ids.shape[1]:]
+    return out[:, ids.shape[1]:].tolist()
 
 
 def cut_at_stop(tokenizer, seq: list[int], stop: str, eos_id: int) -> list[int]:
-    """When the text of `seq` (EOS aside) holds `stop`: the tokens before the one where `stop`
-    starts, then EOS, as the reference (§3.4) excludes the stop text from the output and appends
-    EOS to a response that stopped on it. Otherwise `seq` unchanged. HF stops a row at the token
-    that completes `stop`, so `stop` lies in the last len(stop) tokens (each adds >= 1 character)."""
+    """When the text of `seq` (EOS aside) holds `stop`: the tokens before the one where it starts, then
+    EOS (reference §3.4); else `seq`. HF stops at the token completing `stop`, so it lies in the last
+    len(stop) tokens (each adds >= 1 character)."""
     body = seq[:-1] if seq and seq[-1] == eos_id else seq
     text = lambda lo: tokenizer.decode(body[lo:], skip_special_tokens=True)
     if stop not in text(max(0, len(body) - len(stop))):
@@ -102,8 +97,8 @@ def cut_at_stop(tokenizer, seq: list[int], stop: str, eos_id: int) -> list[int]:
 
 
 def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str | None = None):
-    """A generated row -> (continuation, finished): cut after its first EOS, to its budget and,
-    with `stop`, before the stop string. Finished: it ends with EOS (sampled or appended)."""
+    """A generated row -> (continuation, finished): cut after its first EOS, to its budget and before
+    `stop`. Finished: it ends with EOS (sampled or appended)."""
     seq = (seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)[:budget]
     seq = cut_at_stop(tokenizer, seq, stop, eos_id) if stop else seq
     return seq, bool(seq) and seq[-1] == eos_id
@@ -113,18 +108,11 @@ def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str |
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temperature: float,
            top_p: float, eos_id: int, pad_id: int, cache=None, rows: list[int] | None = None,
            max_batch_tokens: int = 65536, tokenizer=None, stop: str | None = None, fork_method: str = "copy"):
-    """k continuations of every prefix, sampled with HF `generate` (temperature 0 = greedy).
+    """k continuations of every prefix: for each, k lists of new ids (EOS kept) and k finished flags.
 
-    `cache` is the KV cache of a forward pass over a right-padded batch whose row rows[j]
-    starts with prefixes[j]; without one, the prefixes are encoded here, once each, not once
-    per sample. Continuation j may use at most min(budgets[j], context - len(prefixes[j])) new
-    tokens (reference §1.1: max_tokens = min(1024, context - prompt tokens)), the context being
-    model.config.max_position_embeddings. Prefixes are decoded together in batches of at most
-    max_batch_tokens (rows x (prefix + budget)), forked with fork_method (see fork). With `stop`
-    (and its `tokenizer`), a continuation whose text reaches `stop` is cut before it and ends
-    with EOS (cut_at_stop).
-    Returns (continuations, finished): for each prefix, k lists of new ids (EOS kept) and k
-    flags, True when EOS or the stop string came within the budget."""
+    `cache`: the KV cache of a forward pass whose row rows[j] starts with prefixes[j]; without one, the
+    prefixes are encoded here, once each. Continuation j adds at most min(budgets[j], context - prefix)
+    tokens (reference §1.1). Batches hold at most max_batch_tokens (rows x (prefix + budget))."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     device = next(model.parameters()).device
@@ -164,8 +152,7 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
 
 
 def sample_episodes(model, problems: list[dict], k: int, grade, *, max_new_tokens: int, **gen) -> list[Episode]:
-    """k responses to each problem (prompt encoded once, then forked), graded: grade(response_ids,
-    episode) -> reward; a response that did not finish within max_new_tokens scores 0."""
+    """k responses to each problem, graded: grade(response_ids, episode) -> reward (0 if unfinished)."""
     conts, done = sample(model, [p["prompt_ids"] for p in problems], k, [max_new_tokens] * len(problems), **gen)
     episodes = [Episode(p["prompt_ids"], c, p["answer"], group, f)
                 for group, (p, cs, fs) in enumerate(zip(problems, conts, done)) for c, f in zip(cs, fs)]
@@ -183,14 +170,6 @@ def reference_logprobs(ref, episodes, *, temperature: float, pad_id: int, forwar
             logp, _ = token_logprobs(ref, ids, mask, temperature)
         for ep, lp in zip(chunk, per_response(logp, chunk)):
             ep.ref_logp = lp
-
-
-def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_method: str, pad_id: int,
-                    **decoding) -> list:
-    """New ids of k forks of each prefix, as lists. The fork buffers die on return, so that two
-    batches' buffers are never alive at once."""
-    ids, mask, forked = fork(cache, prefixes, rows, k, budget, pad_id, fork_method)
-    return decode(model, ids, mask, forked, budget, **decoding).tolist()
 
 
 def group_chunks(episodes, max_tokens: int):
@@ -215,12 +194,12 @@ def per_response(logp, episodes):
 
 
 def evaluate(policy, problems, cfg, tok, gen, grade, autocast, iteration: int) -> float:
-    """Held-out accuracy: the mean reward of --eval-samples samples per problem at --eval-temperature.
-    Each process samples a share of the problems; the counts are summed over processes."""
+    """Held-out accuracy: the mean reward of --eval-samples samples per problem at --eval-temperature,
+    each process sampling a share of the problems; the first writes three examples to samples.jsonl."""
     with autocast, parallel.whole(policy):
-        episodes = sample_episodes(policy, problems[parallel.rank()::parallel.world_size()],
-                                           cfg.eval_samples, grade, temperature=cfg.eval_temperature, **gen)
-    if parallel.rank() == 0:  # three examples per evaluation, for a reader of samples.jsonl
+        episodes = sample_episodes(policy, problems[parallel.rank()::parallel.world_size()], cfg.eval_samples,
+                                   grade, temperature=cfg.eval_temperature, **gen)
+    if parallel.rank() == 0:
         with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
             text = lambda ids: tok.decode(ids, skip_special_tokens=True)
             for ep in episodes[: 3 * cfg.eval_samples: cfg.eval_samples]:
