@@ -1,10 +1,6 @@
-"""Tasks: problems in GSM8K's format and their verifiable rewards.
-
-A problem is a dict {"question": str, "answer": str} whose answer ends in "#### N", as in
-GSM8K. Two sources share every line of code after loading:
-  - "gsm8k" (the hub dataset openai/gsm8k) or a local .jsonl file in the same format;
-  - "arith", the built-in offline task: a chain of additions and subtractions solved one
-    line per step.
+"""Tasks: problems in GSM8K's format ({"question": str, "answer": str}, the answer ending in "#### N") and
+their verifiable rewards. Sources: "gsm8k" (the hub dataset openai/gsm8k) or a local .jsonl file in the
+same format, and "arith", the built-in offline task: chains of additions and subtractions, a line a step.
 """
 import json
 import random
@@ -27,16 +23,13 @@ def first_line(e: Exception) -> str:
 
 def extract_answer(text: str) -> str | None:
     """Everything after the last '####', stripped; None when there is no '####'."""
-    if "####" not in text:
-        return None
-    return text.split("####")[-1].strip()
+    return text.split("####")[-1].strip() if "####" in text else None
 
 
 def gsm8k_reward(completion: str, gold_answer: str) -> float:
-    """1.0 iff the predicted answer equals the gold one as strings (thousands separators removed,
-    case ignored); 0.0 otherwise, and for a missing answer. No float parsing and never `eval`:
-    '72.0', '$72' and '72 apples' are all wrong, as in the reference.
-    `gold_answer` may be the full GSM8K answer field (with '#### N') or the bare number."""
+    """1.0 iff the predicted answer equals the gold one (a full answer field or the bare number) as
+    strings, thousands separators removed and case ignored; else 0.0. No float parsing, never `eval`:
+    '72.0', '$72' and '72 apples' are all wrong, as in the reference."""
     gold = extract_answer(gold_answer)
     gold = gold_answer.strip() if gold is None else gold
     pred = extract_answer(completion)
@@ -55,11 +48,9 @@ def sft_target(answer: str) -> str:
 # ---- the built-in task: chains of additions and subtractions ----------------------------------
 
 def arith_problem(rng: random.Random, min_steps: int, max_steps: int, slip: float = 0.0) -> dict:
-    """'What is 7+3-5?' -> '7+3=10\n10-5=5\n#### 5': one line per operation, so an early slip
-    makes the answer wrong. The running total stays >= 0; more steps make it harder.
-    'demonstration' is the worked solution used for SFT: with probability `slip` a line's result
-    is off by one and the chain goes on from there, like a careless human demonstrator. Grading
-    always uses the correct 'answer', so RL has careless steps to find and remove."""
+    """'What is 7+3-5?' -> '7+3=10\n10-5=5\n#### 5', the running total >= 0. 'demonstration', the SFT
+    solution, has each line's result off by one with probability `slip` (the chain goes on from there,
+    like a careless demonstrator); grading uses 'answer', so RL has careless steps to remove."""
     total = sloppy = rng.randint(1, 9)
     question, lines, demo = str(total), [], []
     for _ in range(rng.randint(min_steps, max_steps)):
@@ -117,8 +108,8 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, slip: float = 0.0) -> list[dict]:
-    """'arith' (train and test drawn with different seeds) | 'gsm8k' (hub dataset
-    openai/gsm8k, config 'main') | a path to a .jsonl file (the split is ignored)."""
+    """'arith' (train and test drawn with different seeds) | 'gsm8k' (hub dataset openai/gsm8k, config
+    'main') | a path to a .jsonl file (the split is ignored)."""
     if data == "arith":
         return arith_dataset(n_arith, seed=seed + (0 if split == "train" else 10_000), slip=slip)
     if data.endswith(".jsonl"):
@@ -136,8 +127,8 @@ def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, sli
 
 
 def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world: int = 1) -> list[dict]:
-    """n problems drawn with `seed` (the same in every process), and this process's share of them.
-    The shares are equal (n rounded down to a multiple of world), so that DDP runs in step."""
+    """n problems drawn with `seed` (the same in every process), and this process's share of them; the
+    shares are equal (n rounded down to a multiple of world), so that DDP runs in step."""
     picked = random.Random(seed).sample(range(len(problems)), min(n, len(problems) // world * world))
     return [problems[i] for i in picked[rank::world]]
 
@@ -149,12 +140,10 @@ def encode_prompt(tok, question: str) -> list[int]:
 
 
 def sft_example(tok, question: str, answer: str) -> tuple[list[int], int]:
-    """One SFT sequence, encode_prompt's ids + the response's ids + EOS (reference §3.3), and the
-    number of prompt ids. The response is tokenized as it follows the prompt, prompt and target
-    as one text: tokenized alone, a SentencePiece tokenizer would start it with a '▁' token that
-    the model never samples after 'Solution:'. If that joint tokenization does not split at the
-    prompt's end (a token such as ':\\n' in byte-level BPE spans it), the target is tokenized
-    alone, which for those tokenizers adds no prefix."""
+    """One SFT sequence (encode_prompt's ids + the response's ids + EOS, reference §3.3) and its number of
+    prompt ids. The response is tokenized after the prompt, as one text: alone, a SentencePiece tokenizer
+    would start it with a '▁' the model never samples after 'Solution:'. Where that joint tokenization
+    does not split at the prompt's end (byte-level BPE's ':\\n'), the target is tokenized alone."""
     prompt_ids, target = encode_prompt(tok, question), sft_target(answer)
     prompt_text_ids = prompt_ids[1:] if tok.bos_token_id is not None else prompt_ids
     joint = tok(PROMPT.format(question=question.strip()) + target, add_special_tokens=False).input_ids
