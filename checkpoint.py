@@ -1,5 +1,4 @@
-"""Models to and from disk (hub id, local path, the tiny offline model), atomic checkpoints, and what
---resume needs to continue a run exactly (optimizers, schedules, random streams)."""
+"""Models to and from disk, atomic checkpoints, and what --resume needs to continue a run exactly."""
 import dataclasses
 import json
 import os
@@ -21,8 +20,7 @@ RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "re
 
 
 def build_tiny_model(path: str, seed: int):
-    """A 4-layer, 128-wide Llama with random weights and a character-level tokenizer built in code,
-    saved with save_pretrained so that it loads through the same path as a hub model."""
+    """A 4-layer, 128-wide random Llama with a character-level tokenizer, saved as a hub model would be."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     chars = ["\n"] + [chr(c) for c in range(32, 127)]
@@ -56,9 +54,8 @@ def load_model(name: str, device, trust_remote_code: bool = False):
 
 def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None, name: str = "checkpoint",
                     policy_weights: dict | None = None, critic_weights: dict | None = None):
-    """Write OUT/name atomically: built in OUT/name.tmp, then swapped in; the previous one is removed only
-    once the new one is complete. Policy (save_pretrained), critic in name/critic (backbone +
-    value_head.pt), trainer_state.pt for --resume. *_weights: full state dicts of sharded (FSDP) models."""
+    """Write OUT/name atomically (built in name.tmp, then swapped in): policy, critic/, trainer_state.pt.
+    *_weights: full state dicts of sharded (FSDP) models."""
     final, tmp, old = (os.path.join(out, name + suffix) for suffix in ("", ".tmp", ".old"))
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp, state_dict=policy_weights)
@@ -98,8 +95,7 @@ def last_checkpoint(out: str) -> str | None:
 
 
 def find_resume(cfg) -> tuple[str | None, dict | None]:
-    """With --resume: the last complete checkpoint in --out and its trainer state, checked against the
-    settings a run cannot change midway. (None, None) for a fresh start."""
+    """--resume: the last complete checkpoint and its state, checked; (None, None) for a fresh start."""
     if not cfg.resume:
         return None, None
     path = last_checkpoint(cfg.out)
@@ -125,8 +121,7 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
 
 
 def save_training_state(cfg, iteration: int, tok, policy, critic):
-    """Checkpoint the run after `iteration`: weights, optimizers, schedules, every process's random
-    streams. policy, critic: ppo.Learner (or None). Called on every process; the first one writes."""
+    """Checkpoint weights, optimizers, schedules and random streams; called on every process, one writes."""
     learners = [policy] + ([critic] if critic is not None else [])
     optimizers = [{"optimizer": parallel.optimizer_state(learner.model, learner.optimizer),
                    "scheduler": learner.scheduler.state_dict()} for learner in learners]
@@ -143,8 +138,8 @@ def save_training_state(cfg, iteration: int, tok, policy, critic):
 
 
 def restore_training_state(cfg, state: dict | None, learners: list) -> int | None:
-    """The last iteration done, None for a fresh run (whose metrics/samples files start empty). On resume:
-    optimizer and schedule states, this process's random streams, the files cut back to the checkpoint."""
+    """The last iteration done (None: a fresh run, its files emptied); on resume, the optimizers, schedules
+    and random streams restored, the files cut back to the checkpoint."""
     paths = [os.path.join(cfg.out, name) for name in ("metrics.jsonl", "samples.jsonl")]
     if state is None:
         if parallel.rank() == 0:
@@ -171,8 +166,7 @@ def restore_training_state(cfg, state: dict | None, learners: list) -> int | Non
 
 
 def truncate_jsonl(path: str, last_iteration: int):
-    """Drop the rows written after the checkpoint, and one torn by a kill in the middle of its write, so
-    that a resumed run neither repeats nor skips a row."""
+    """Drop the rows after the checkpoint and one torn by a kill: a resumed run neither repeats nor skips."""
     if not os.path.exists(path):
         return
     rows = []

@@ -50,12 +50,10 @@ class Config:
     minibatch: int = arg(64, "episodes per optimizer step", at_least(1))
     micro_batch: int = arg(16, "episodes per forward/backward pass (gradient accumulation)", at_least(1))
     lr: float = arg(1e-6, "policy learning rate (AdamW)", at_least(0))
-    warmup: float = arg(0.03, "fraction of optimizer steps with log-shaped warm-up, then linear decay to 0",
-                        between(0, 1))
+    warmup: float = arg(0.03, "fraction of steps in log-shaped warm-up, then linear decay to 0", between(0, 1))
     clip: float = arg(0.2, "PPO clip range epsilon", above(0))
     kl_coef: float = arg(1e-4, "coefficient of the k3 KL to the reference model, in the loss", at_least(0))
-    temperature: float = arg(0.6, "sampling temperature (also divides the logits of every training log-prob)",
-                             above(0))
+    temperature: float = arg(0.6, "sampling temperature (also divides the logits of every log-prob)", above(0))
     top_p: float = arg(0.9, "nucleus sampling (the log-probs do not model it: 1.0 samples exactly the policy)",
                        (lambda v: 0 < v <= 1, "in (0, 1]"))
     max_new_tokens: int = arg(1024, "token budget of a response; an unfinished response scores 0", at_least(1))
@@ -65,25 +63,20 @@ class Config:
     eval_problems: int = arg(0, "held-out problems per evaluation (0 = all)", at_least(0))
     eval_samples: int = arg(16, "samples per held-out problem (accuracy = mean over them)", at_least(1))
     eval_temperature: float = arg(0.35, "sampling temperature at evaluation (0 = greedy)", at_least(0))
-    save_every: int = arg(10, "write OUT/checkpoint every N iterations and at the end (0: only at the end)",
-                          at_least(0))
+    save_every: int = arg(10, "checkpoint every N iterations and at the end (0: only at the end)", at_least(0))
     sft_steps: int = arg(0, "supervised warm-up steps on the gold solutions before RL", at_least(0))
     sft_lr: float = arg(1e-5, "SFT learning rate", at_least(0))
     sft_batch: int = arg(64, "SFT batch size", at_least(1))
-    arith_slip: float = arg(0.0, "arith only: chance that a step of an SFT demonstration is off by one",
-                            between(0, 1))
-    max_batch_tokens: int = arg(524288, "memory budget of one generation batch: rows x (prefix + new tokens)",
-                                at_least(1))
-    forward_batch_tokens: int = arg(32768, "memory budget of one log-prob / value forward pass, in tokens",
-                                    at_least(1))
+    arith_slip: float = arg(0.0, "arith only: chance that a step of an SFT demo is off by one", between(0, 1))
+    max_batch_tokens: int = arg(524288, "generation batch budget: rows x (prefix + new tokens)", at_least(1))
+    forward_batch_tokens: int = arg(32768, "tokens of one log-prob / value forward pass", at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
     precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights (default: bf16 on CUDA, else fp32)",
                          one_of("", *precision.PRECISIONS))
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, replacing its results")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: transformers' own architectures)")
-    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in backward: less memory, "
-                                       "slower updates (the reference runs with it)")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory (reference: on)")
     fsdp: bool = arg(False, "under torchrun: shard policy and critic (weights, grads, AdamW) with FSDP2")
 
 

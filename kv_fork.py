@@ -1,18 +1,14 @@
-"""KV-cache prefix forking: VinePPO's environment reset.
-
-A text environment can be reset to any prefix (VinePPO §3). The forward pass over whole trajectories
-already holds the keys/values of every prefix, so a state is forked by copying that cache up to its
-boundary, K times, into buffers with room for the continuation, and decoding on (rollout.sample).
-Prefixes are right-aligned (left padding inside the cache, hidden by the attention mask).
-"""
+"""KV-cache prefix forking, VinePPO's environment reset (§3): the forward pass over whole trajectories holds
+the keys/values of every prefix, so a state is forked by copying that cache up to its boundary, K times,
+right-aligned, into buffers with room for the continuation, and decoding on (rollout.sample)."""
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A cache layer whose keys/values live in buffers sized for the whole generation, each decoding
-    step writing its column in place (DynamicLayer's torch.cat per step dominated large forked batches)."""
+    """A cache layer whose buffers are sized for the whole generation: each step writes its column in place
+    (DynamicLayer's torch.cat per step dominated large forked batches)."""
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
         super().__init__()
@@ -34,11 +30,9 @@ FORK_METHODS = ("copy", "gather")
 
 def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
          method: str = "copy"):
-    """Reset the environment to each prefix, k times (prefix j: row rows[j] of the pass that made `cache`).
-    Returns left-padded ids [n*k, W], their mask, and a cache of the first W-1 columns (right-aligned,
-    padding zero and masked; `generate` feeds the last column) with room for new_tokens more, in one
-    dtype. method: "copy" (block copies per row, fast on a CPU) or "gather" (one indexed read per
-    tensor, for GPUs); the two give equal buffers."""
+    """Reset to each prefix (row rows[j] of `cache`'s pass) k times: left-padded ids [n*k, W], their mask,
+    and a cache of the first W-1 columns (`generate` feeds the last) with room for new_tokens more. method:
+    "copy" (block copies per row, fast on a CPU) or "gather" (one indexed read, for GPUs): equal buffers."""
     assert method in FORK_METHODS, method
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     ends = [len(p) for p in prefixes for _ in range(k)]
@@ -48,7 +42,9 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
         ids[j * k:(j + 1) * k, width - len(p):] = torch.tensor(p, device=device)
     starts = width - torch.tensor(ends, device=device)[:, None]  # first column of each prefix
     mask = (torch.arange(width, device=device)[None, :] >= starts).long()
-    dtype, capacity = fork_dtype(cache.layers[0].values), width - 1 + new_tokens
+    capacity, autocast_on = width - 1 + new_tokens, torch.is_autocast_enabled(device.type)
+    # one dtype for keys and values: autocast's when on (attention casts both to it anyway), else the cache's
+    dtype = torch.get_autocast_dtype(device.type) if autocast_on else cache.layers[0].values.dtype
     if method == "gather":  # buffer column c of fork i reads column c - starts[i] of its row
         cols = torch.arange(capacity, device=device)[None, :] - starts
         source_rows = torch.tensor(sources, device=device)[:, None, None]
@@ -62,16 +58,8 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     return ids, mask, forked
 
 
-def fork_dtype(values: torch.Tensor) -> torch.dtype:
-    """The autocast dtype when autocast is on (attention casts keys and values to it at every step: a
-    bf16 copy holds what is used, in less memory), else the cache's own."""
-    device_type = values.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else values.dtype
-
-
 def copied_rows(x, sources: list[int], ends: list[int], capacity: int, dtype) -> torch.Tensor:
-    """Buffer [n, H, capacity, D]: row i holds the first ends[i]-1 columns of x[sources[i]], ending at
-    column W-1 (W = max(ends)), zeros before them; the columns after are left unset."""
+    """Buffer [n, H, capacity, D]: row i holds x[sources[i]]'s first ends[i]-1 columns, ending at column W-1."""
     width = max(ends)
     buf = x.new_empty(len(ends), x.shape[1], capacity, x.shape[3], dtype=dtype)
     for i, (row, e) in enumerate(zip(sources, ends)):  # block copies: on a CPU far faster than a gather
@@ -81,8 +69,7 @@ def copied_rows(x, sources: list[int], ends: list[int], capacity: int, dtype) ->
 
 
 def gathered_rows(x, rows, cols, padding, dtype) -> torch.Tensor:
-    """copied_rows' buffer in one indexed read of x [B, H, L, D] (source rows [n, 1, 1], columns
-    [n, 1, C]) and one fill of the left padding [n, 1, C, 1]: a few large GPU kernels per layer."""
+    """copied_rows' buffer in one indexed read of x and one fill: a few large GPU kernels per layer."""
     heads = torch.arange(x.shape[1], device=x.device)[None, :, None]
     buf = x[rows, heads, cols.clamp(0, x.shape[2] - 1)].to(dtype)  # [n, H, C, D]
     return buf.masked_fill_(padding, 0)  # left padding: masked, but must be finite

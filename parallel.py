@@ -1,7 +1,5 @@
-"""Several processes under torchrun, with PyTorch's own engines: each process samples its share of the
-prompts; the update runs under DistributedDataParallel or, with --fsdp, FSDP2's fully_shard (weights,
-gradients and AdamW states sharded). In one process every function here is the identity or a plain call.
-"""
+"""Several processes under torchrun: each samples its share of the prompts; the update runs under DDP or
+(--fsdp) FSDP2's fully_shard. In one process every function here is the identity or a plain call."""
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -15,8 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def init(device: torch.device):
-    """(rank, world size, device); joins the process group when torchrun started this process (NCCL and
-    one GPU per process, or gloo on CPUs)."""
+    """(rank, world size, device); under torchrun, joins the process group (NCCL on GPUs, else gloo)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         if device.type == "cuda":
@@ -64,8 +61,7 @@ def gather(obj) -> list:
 
 
 def merge_metrics(rows: list[tuple[dict, dict, dict]]) -> dict:
-    """One metrics row from every process's (counts, means, times): counts summed, means averaged (the
-    processes hold equal shares), times of the slowest. A metric's kind is the dict it is in."""
+    """One metrics row from every process's (counts, means, times): summed, averaged, the slowest's."""
     counts, means, times = rows[0]
     merged = {k: sum(r[0][k] for r in rows) for k in counts}
     for k in means:
@@ -76,8 +72,8 @@ def merge_metrics(rows: list[tuple[dict, dict, dict]]) -> dict:
 
 
 def wrap(model, fsdp: bool, device):
-    """The module the update calls: DDP around the model, or (fsdp) the model itself, sharded in place a
-    decoder layer at a time, then the rest. Build optimizers after this."""
+    """The module the update calls: DDP around the model, or the model sharded in place (fsdp), a decoder
+    layer at a time. Build optimizers after this."""
     if not dist.is_initialized() or isinstance(model, FSDPModule):
         return model
     if not fsdp:
@@ -91,8 +87,7 @@ def wrap(model, fsdp: bool, device):
 
 @contextmanager
 def whole(*models):
-    """FSDP: hold the full weights while processes run different numbers of forward passes (sampling, MC
-    values): sharded modules would wait on each other's all-gathers."""
+    """FSDP: full weights while processes run different numbers of forward passes (no all-gathers)."""
     shards = [m for model in models if model is not None for m in model.modules() if isinstance(m, FSDPModule)]
     for m in shards:
         m.unshard()

@@ -1,10 +1,6 @@
-"""The PPO update shared by every method here (clipped surrogate, k3 KL to a reference, whitening) and
-the advantage estimators that differ between them: GAE for a critic, group normalisation for GRPO.
-VinePPO's Monte Carlo advantages are in vine.py.
-
-Shapes: every tensor is [B, L-1], aligned with the actions: position t holds the log-prob, advantage,
-... of token t+1 (reference pitfall 6); `mask` is 1 on response tokens.
-"""
+"""The PPO update every method shares (clipped surrogate, k3 KL, whitening) and the advantages that differ:
+GAE for a critic, group normalisation for GRPO, VinePPO's MC values (vine.py). Tensors are [B, L-1],
+aligned with the actions: position t holds token t+1's log-prob, advantage, ... (reference pitfall 6)."""
 import math
 from dataclasses import dataclass
 
@@ -20,8 +16,7 @@ def masked_mean(x, mask, dim=None):
 
 
 def masked_whiten(x, mask, eps: float = 1e-8, all_reduce=lambda t: t):
-    """(x - mean) / sqrt(var + eps) over the masked entries, unbiased variance (reference §2.6), with
-    statistics summed over processes by all_reduce (one minibatch's shares, as across the reference's GPUs)."""
+    """(x - mean) / sqrt(var + eps) over the masked entries of all processes (reference §2.6), unbiased var."""
     total, n = all_reduce(torch.stack([(x * mask).sum(), mask.sum()]))
     mean = total / n.clamp(min=1)
     var = all_reduce(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
@@ -29,10 +24,8 @@ def masked_whiten(x, mask, eps: float = 1e-8, all_reduce=lambda t: t):
 
 
 def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
-    """Generalized advantage estimation (Schulman et al. 2016, eq. 16); [B, T], right-padded, values[:, t]
-    = V(s_t) before action t, 0 after the last (terminal):
-        delta_t = r_t + gamma V(s_{t+1}) - V(s_t),   A_t = delta_t + gamma lam A_{t+1}
-    Returns (advantages, returns = advantages + values, the critic's regression target)."""
+    """GAE (Schulman et al. 2016, eq. 16) on [B, T], V(s_T) = 0: -> (advantages, returns = A + V)
+        delta_t = r_t + gamma V(s_{t+1}) - V(s_t),   A_t = delta_t + gamma lam A_{t+1}"""
     values = values * mask
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
     deltas = (rewards + gamma * next_values - values) * mask
@@ -45,8 +38,7 @@ def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-6):
-    """GRPO (Shao et al. 2024, §4.1.2): A = (R - mean of its group) / (std of its group + eps), one scalar
-    per response, a group being the samples of one prompt. rewards, group: [N]."""
+    """GRPO (Shao et al. 2024, §4.1.2): A = (R - mean of its group) / (std of its group + eps); [N]."""
     adv = torch.empty_like(rewards)
     for g in group.unique():
         r = rewards[group == g]
@@ -61,18 +53,15 @@ def explained_variance(values, returns, mask) -> float:
 
 
 def k3_kl(logp, ref_logp):
-    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1, d = ref - logp; unbiased, >= 0."""
+    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1, d = ref - logp (>= 0)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
 
 def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: float = 1e-4,
              max_ratio: float = 10.0):
-    """Clipped PPO objective (Schulman et al. 2017, eq. 7), a token-level masked mean, plus the KL penalty
-    in the loss (VinePPO §5 / reference §2.5), r_t = pi(a_t|s_t) / pi_old(a_t|s_t):
-
+    """Clipped PPO (Schulman et al. 2017, eq. 7) plus the KL penalty (VinePPO §5), r_t = pi / pi_old:
         L = mean_t max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps)) + beta * mean_seq sum_t clamp(k3_t, 0, 10)
-
     A batch whose mean ratio exceeds max_ratio is skipped (loss x 0), as in the reference. -> (loss, stats)"""
     log_ratio = (logp - old_logp) * mask
     ratio = torch.exp(log_ratio)
@@ -91,8 +80,7 @@ def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: fl
 
 
 def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic: float) -> dict:
-    """Set ep.advantages ([T]) as `algo` computes them (README table) and, for a critic, ep.returns;
-    returns diagnostics."""
+    """Set ep.advantages ([T]) as `algo` computes them and, for a critic, ep.returns; returns diagnostics."""
     rewards = torch.tensor([ep.reward for ep in episodes])
     if algo == "vineppo":  # step advantages broadcast to the step's tokens (VinePPO §4)
         for ep in episodes:
@@ -119,7 +107,7 @@ def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic:
 
 @dataclass
 class Learner:
-    """A model the update trains, with the AdamW state and LR schedule it keeps across iterations."""
+    """A trained model, with the AdamW state and LR schedule it keeps across iterations."""
     model: torch.nn.Module      # the weights (saved, evaluated)
     module: torch.nn.Module     # what the update calls: a DDP wrapper under torchrun, else the model
     optimizer: torch.optim.Optimizer
@@ -134,8 +122,7 @@ def make_learner(model, lr: float, total_steps: int, warmup_steps: int, fsdp: bo
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
-    """DeepSpeed WarmupDecayLR as the reference runs it: log-shaped warm-up, then linear decay to 0; the
-    log's denominator counts at least 2 steps (a 1-step warm-up would be 0/0), as in DeepSpeed."""
+    """DeepSpeed's WarmupDecayLR (the reference's): log-shaped warm-up over >= 2 steps, linear decay to 0."""
     if step < warmup:
         return math.log(step + 1) / math.log(max(2, warmup))
     return max(0.0, (total - step) / max(1, total - warmup))
@@ -144,10 +131,8 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
 def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int, minibatch: int,
                micro_batch: int, temperature: float, clip: float, kl_coef: float, value_clip: float,
                move_policy: bool, whiten: bool, pad_id: int, device, autocast) -> dict:
-    """--epochs passes over the episodes in shuffled minibatches (this process's share), one optimizer
-    step per minibatch and learner, micro-batches accumulated; with `whiten`, advantages whitened per
-    minibatch (reference §2.6). With move_policy False only the critic learns. Training mode (dropout)
-    only here. Returns the mean loss statistics, the policy's mean gradient norm and the skip counts."""
+    """`epochs` passes over shuffled minibatches, an optimizer step per minibatch and learner (the critic
+    only without move_policy); returns the mean loss statistics, mean gradient norm and skip counts."""
     policy_stats, critic_stats, grad_norms, nonfinite = [], [], [], 0
     learners = [policy] + ([critic] if critic is not None else [])
     for learner in learners:
@@ -190,9 +175,8 @@ def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int
 
 
 def backward_if_finite(loss, stats: dict, into: list) -> bool:
-    """Backward of a micro-batch's loss and its stats kept, unless it is not finite (returns True). Under
-    DDP every process must take part in every backward: it runs anyway, and the NaN gradient norm skips
-    the step on all processes."""
+    """Backward of a finite loss, its stats kept; True when not finite. Under DDP every process must take
+    part in every backward: it runs anyway, and the NaN gradient norm skips the step on all of them."""
     finite = bool(torch.isfinite(loss))
     if finite:
         into.append(stats)
@@ -202,8 +186,7 @@ def backward_if_finite(loss, stats: dict, into: list) -> bool:
 
 
 def collate(episodes, pad_id, device):
-    """Right-padded ids [B, L], attention mask, and [B, L-1] action-aligned tensors: action mask "act" and
-    the episodes' per-token arrays (old/ref log-probs, advantages, critic values, returns)."""
+    """Padded ids [B, L], mask, and [B, L-1] action mask "act" and per-token arrays of the episodes."""
     ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id, device)
     names = {"old": "old_logp", "ref": "ref_logp", "adv": "advantages", "val": "old_values", "ret": "returns"}
     out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ["act", *names]}
@@ -219,8 +202,7 @@ def collate(episodes, pad_id, device):
 
 
 def optimizer_step(model, optim, scheduler, max_norm: float = 1.0) -> float | None:
-    """Clip the gradient norm to max_norm and step; a non-finite gradient skips the step (weights kept).
-    Returns the norm, or None when skipped."""
+    """Clip the gradient norm and step; the norm, or None when it is not finite and the step is skipped."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
     if math.isfinite(norm):
         optim.step()

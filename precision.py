@@ -21,10 +21,8 @@ def autocast(device: torch.device, precision: str):
 
 
 def cast_linear_weights(model, precision: str):
-    """Under "bf16", store a frozen model's nn.Linear weights in bf16: autocast casts exactly those at
-    every use, so it computes bit for bit as in fp32 (KL 0 to the policy at equal weights), in half the
-    memory. model.to(bf16) would not: embeddings, norms and RoPE's inv_freq would round too. A weight
-    tied to the embedding stays fp32 (the lookup reads it uncast). Returns the model."""
+    """bf16: a frozen model's nn.Linear weights in bf16, which autocast casts anyway: the same numbers (KL 0
+    at equal weights) in half the memory. Not model.to(bf16): norms and RoPE would round too."""
     if precision == "bf16":
         embedding = model.get_input_embeddings().weight
         for module in model.modules():

@@ -1,7 +1,5 @@
-"""Tasks: problems in GSM8K's format ({"question": str, "answer": str}, the answer ending in "#### N") and
-their verifiable rewards. Sources: "gsm8k" (the hub dataset openai/gsm8k) or a local .jsonl file in the
-same format, and "arith", the built-in offline task: chains of additions and subtractions, a line a step.
-"""
+"""Problems in GSM8K's format ({"question", "answer": "... #### N"}) and their rewards: "gsm8k" (hub), a
+local .jsonl file, or "arith", the built-in offline task (chains of additions and subtractions)."""
 import json
 import random
 import re
@@ -19,17 +17,14 @@ def first_line(e: Exception) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
-# ---- grading (reference: tasks/gsm8k.py, use_original_format=True) --------------------------
-
 def extract_answer(text: str) -> str | None:
-    """Everything after the last '####', stripped; None when there is no '####'."""
+    """Everything after the last '####', stripped; None when there is no '####' (reference: tasks/gsm8k.py)."""
     return text.split("####")[-1].strip() if "####" in text else None
 
 
 def gsm8k_reward(completion: str, gold_answer: str) -> float:
-    """1.0 iff the predicted answer equals the gold one (a full answer field or the bare number) as
-    strings, thousands separators removed and case ignored; else 0.0. No float parsing, never `eval`:
-    '72.0', '$72' and '72 apples' are all wrong, as in the reference."""
+    """1.0 iff the answers are equal as strings, commas removed and case ignored: '72.0' and '$72' score 0,
+    as in the reference. gold_answer: the full answer field or the bare number."""
     gold = extract_answer(gold_answer)
     gold = gold_answer.strip() if gold is None else gold
     pred = extract_answer(completion)
@@ -45,12 +40,9 @@ def sft_target(answer: str) -> str:
     return "\n" + re.sub(r"<<[^>]*>>", "", answer) + "\n"
 
 
-# ---- the built-in task: chains of additions and subtractions ----------------------------------
-
 def arith_problem(rng: random.Random, min_steps: int, max_steps: int, slip: float = 0.0) -> dict:
-    """'What is 7+3-5?' -> '7+3=10\n10-5=5\n#### 5', the running total >= 0. 'demonstration', the SFT
-    solution, has each line's result off by one with probability `slip` (the chain goes on from there,
-    like a careless demonstrator); grading uses 'answer', so RL has careless steps to remove."""
+    """'What is 7+3-5?' -> '7+3=10\n10-5=5\n#### 5'. In the SFT 'demonstration' a line is off by one with
+    probability `slip` (the chain goes on from there); grading uses 'answer': RL has slips to remove."""
     total = sloppy = rng.randint(1, 9)
     question, lines, demo = str(total), [], []
     for _ in range(rng.randint(min_steps, max_steps)):
@@ -70,8 +62,6 @@ def arith_dataset(n: int, seed: int, min_steps: int = 2, max_steps: int = 5, sli
     rng = random.Random(seed)
     return [arith_problem(rng, min_steps, max_steps, slip) for _ in range(n)]
 
-
-# ---- loading ----------------------------------------------------------------------------------
 
 def check_problem(row, where: str) -> dict:
     """A problem must have string 'question' and 'answer' fields, the answer ending in '#### N'."""
@@ -108,8 +98,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, slip: float = 0.0) -> list[dict]:
-    """'arith' (train and test drawn with different seeds) | 'gsm8k' (hub dataset openai/gsm8k, config
-    'main') | a path to a .jsonl file (the split is ignored)."""
+    """'arith' (train and test with different seeds) | 'gsm8k' (openai/gsm8k) | a .jsonl file (any split)."""
     if data == "arith":
         return arith_dataset(n_arith, seed=seed + (0 if split == "train" else 10_000), slip=slip)
     if data.endswith(".jsonl"):
@@ -127,8 +116,7 @@ def load_problems(data: str, split: str, n_arith: int = 2000, seed: int = 0, sli
 
 
 def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world: int = 1) -> list[dict]:
-    """n problems drawn with `seed` (the same in every process), and this process's share of them; the
-    shares are equal (n rounded down to a multiple of world), so that DDP runs in step."""
+    """This process's equal share of n problems drawn with `seed` (the same in every process)."""
     picked = random.Random(seed).sample(range(len(problems)), min(n, len(problems) // world * world))
     return [problems[i] for i in picked[rank::world]]
 
@@ -140,10 +128,8 @@ def encode_prompt(tok, question: str) -> list[int]:
 
 
 def sft_example(tok, question: str, answer: str) -> tuple[list[int], int]:
-    """One SFT sequence (encode_prompt's ids + the response's ids + EOS, reference §3.3) and its number of
-    prompt ids. The response is tokenized after the prompt, as one text: alone, a SentencePiece tokenizer
-    would start it with a '▁' the model never samples after 'Solution:'. Where that joint tokenization
-    does not split at the prompt's end (byte-level BPE's ':\\n'), the target is tokenized alone."""
+    """(prompt + response + EOS ids, prompt length) (reference §3.3). The response is tokenized after the
+    prompt (alone, SentencePiece would start it with a '▁'), or alone where the two tokens merge (BPE)."""
     prompt_ids, target = encode_prompt(tok, question), sft_target(answer)
     prompt_text_ids = prompt_ids[1:] if tok.bos_token_id is not None else prompt_ids
     joint = tok(PROMPT.format(question=question.strip()) + target, add_special_tokens=False).input_ids

@@ -47,16 +47,15 @@ LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax: at a 32k vocabulary, 1
 
 
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
-    """log pi(x_{t+1} | x_<=t) for t = 0..L-2: [B, L-1], from logits / T, since the policy that sampled
-    was softmax(logits / T) (reference §2.3). With keep_cache, also this pass's KV cache, for forking."""
+    """log pi(x_{t+1} | x_<=t), [B, L-1], of softmax(logits / T): the sampled policy (reference §2.3); and
+    with keep_cache, this pass's KV cache, for forking."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
     logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
     return logp, (out.cache if keep_cache else None)
 
 
 def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
-    """log_softmax(logits / T)[target]: [B, N, V], [B, N] -> [B, N], in at least fp32. A few positions at
-    a time: the whole logits upcast and log-softmaxed would hold two more fp32 copies of them at once."""
+    """log_softmax(logits / T)[target] in >= fp32, a few positions at a time (not two fp32 copies of all)."""
     step = max(1, chunk_tokens // logits.shape[0])
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32 (float64 stays)
     pieces = []
@@ -68,9 +67,8 @@ def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOG
 
 def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_method: str, pad_id: int, *,
                     temperature: float, top_p: float, eos_id: int, tokenizer=None, stop: str | None = None):
-    """k forks of each prefix (kv_fork.fork), decoded on by HF `generate` for up to `budget` new tokens
-    (temperature 0 = greedy; a row also stops when its text reaches `stop`): new ids, as lists, rows
-    that stopped filled with EOS. The fork buffers die on return: two batches' are never alive at once."""
+    """New ids of k forks of each prefix, decoded by HF `generate` (temperature 0: greedy), rows that stopped
+    (EOS or `stop`) filled with EOS. The fork buffers die on return: two batches' are never alive at once."""
     ids, mask, forked = fork(cache, prefixes, rows, k, budget, pad_id, fork_method)
     # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
@@ -97,8 +95,7 @@ def cut_at_stop(tokenizer, seq: list[int], stop: str, eos_id: int) -> list[int]:
 
 
 def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str | None = None):
-    """A generated row -> (continuation, finished): cut after its first EOS, to its budget and before
-    `stop`. Finished: it ends with EOS (sampled or appended)."""
+    """A generated row cut after its first EOS, to its budget and before `stop`; and whether it ends in EOS."""
     seq = (seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)[:budget]
     seq = cut_at_stop(tokenizer, seq, stop, eos_id) if stop else seq
     return seq, bool(seq) and seq[-1] == eos_id
@@ -108,11 +105,9 @@ def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str |
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temperature: float,
            top_p: float, eos_id: int, pad_id: int, cache=None, rows: list[int] | None = None,
            max_batch_tokens: int = 65536, tokenizer=None, stop: str | None = None, fork_method: str = "copy"):
-    """k continuations of every prefix: for each, k lists of new ids (EOS kept) and k finished flags.
-
-    `cache`: the KV cache of a forward pass whose row rows[j] starts with prefixes[j]; without one, the
-    prefixes are encoded here, once each. Continuation j adds at most min(budgets[j], context - prefix)
-    tokens (reference §1.1). Batches hold at most max_batch_tokens (rows x (prefix + budget))."""
+    """k continuations of each prefix (lists of new ids, EOS kept) and k finished flags, forked from
+    `cache`, whose row rows[j] starts with prefixes[j], or from the prefixes encoded here, once each.
+    Continuation j adds <= min(budgets[j], context - prefix) tokens (reference §1.1)."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     device = next(model.parameters()).device
@@ -173,8 +168,8 @@ def reference_logprobs(ref, episodes, *, temperature: float, pad_id: int, forwar
 
 
 def group_chunks(episodes, max_tokens: int):
-    """Consecutive episodes in batches of about max_tokens, never splitting one prompt's samples,
-    so that identical states (which only share a prompt) meet in one batch."""
+    """Consecutive episodes in batches of about max_tokens, never splitting a prompt's samples (whose
+    identical states then meet in one batch)."""
     chunk, width = [], 0
     for ep in episodes:
         length = len(ep.prompt_ids) + len(ep.response_ids)
@@ -188,14 +183,13 @@ def group_chunks(episodes, max_tokens: int):
 
 
 def per_response(logp, episodes):
-    """Row slices of a [B, L-1] tensor -> one [T] tensor per episode (its response tokens)."""
+    """Row slices of a [B, L-1] tensor: one [T] tensor per episode (its response tokens)."""
     return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
             for i, ep in enumerate(episodes)]
 
 
 def evaluate(policy, problems, cfg, tok, gen, grade, autocast, iteration: int) -> float:
-    """Held-out accuracy: the mean reward of --eval-samples samples per problem at --eval-temperature,
-    each process sampling a share of the problems; the first writes three examples to samples.jsonl."""
+    """Held-out accuracy: the mean reward of --eval-samples samples per problem; three go to samples.jsonl."""
     with autocast, parallel.whole(policy):
         episodes = sample_episodes(policy, problems[parallel.rank()::parallel.world_size()], cfg.eval_samples,
                                    grade, temperature=cfg.eval_temperature, **gen)

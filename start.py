@@ -1,6 +1,5 @@
-"""Everything before the first iteration: the process (device, seeds, precision), the output directory,
-data, models (the SFT warm start, the frozen reference, the critic) and optimizers; on --resume, all of it
-as the last checkpoint left it (checkpoint.py)."""
+"""Everything before the first iteration: process, output directory, data, models (SFT warm start, frozen
+reference, critic) and optimizers; on --resume, all of it as the last checkpoint left it."""
 import copy
 import math
 import os
@@ -23,8 +22,7 @@ RECOMPUTE = dict(activation_checkpointing_kwargs={"use_reentrant": False})  # so
 
 
 def start_process(cfg):
-    """(rank, world size, device, autocast context) of this process, its random streams seeded.
-    Under torchrun it joins the process group; alone it is process 0 of 1."""
+    """(rank, world size, device, autocast context) of this process, its random streams seeded."""
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     rank, world, device = parallel.init(torch.device(auto if cfg.device == "auto" else cfg.device))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -40,8 +38,7 @@ def start_process(cfg):
 
 
 def start_run(cfg, device, autocast):
-    """Data, models and optimizers, or all of them from --resume's checkpoint. Returns the learners
-    (ppo.Learner) and the last iteration done (None for a fresh run)."""
+    """Data, models, learners (ppo.Learner) and the last iteration done (None for a fresh run)."""
     prepare_out(cfg)
     train_set = reward.load_problems(cfg.data, "train", seed=cfg.seed, slip=cfg.arith_slip)
     eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", seed=cfg.seed)
@@ -77,7 +74,7 @@ def start_run(cfg, device, autocast):
 
 
 def drop_long_prompts(problems: list[dict], max_tokens: int, split: str) -> list[dict]:
-    """The problems whose prompt fits in max_tokens (the reference drops the others), saying how many went."""
+    """The problems whose prompt fits in max_tokens (the reference drops the others)."""
     kept = [p for p in problems if len(p["prompt_ids"]) <= max_tokens]
     if not kept:
         raise DataError(f"--max-prompt-tokens {max_tokens}: every {split} problem's prompt is longer")
@@ -88,8 +85,7 @@ def drop_long_prompts(problems: list[dict], max_tokens: int, split: str) -> list
 
 
 def prepare_out(cfg):
-    """Create --out, check that this process can write there and that a fresh start would not destroy
-    an earlier run's results (unless --overwrite)."""
+    """Create --out, writable, without an earlier run's results unless --resume or --overwrite."""
     found = [name for name in RESULTS if os.path.exists(os.path.join(cfg.out, name))]
     if found and not cfg.resume and not cfg.overwrite:
         raise DataError(f"--out {cfg.out!r} holds an earlier run ({', '.join(found)}): "
@@ -104,9 +100,8 @@ def prepare_out(cfg):
 
 
 def load_policy_and_reference(cfg, resume_from: str | None, device):
-    """(tokenizer, policy, frozen reference). The tiny demo model is built once in OUT/tiny-init. On
-    resume the reference comes from OUT/reference (written after SFT) or the starting model; otherwise
-    it is a copy of the policy, which SFT (if any) then overwrites."""
+    """(tokenizer, policy, reference): on resume, the reference from OUT/reference (after SFT) or the
+    starting model; else a copy of the policy, which SFT then overwrites. The tiny model is built once."""
     name = ALIASES.get(cfg.model, cfg.model)
     if name == "tiny":
         name = os.path.join(cfg.out, "tiny-init")
@@ -121,9 +116,8 @@ def load_policy_and_reference(cfg, resume_from: str | None, device):
 
 
 def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
-    """Supervised warm start (reference §3.3): --sft-steps AdamW steps on random batches of the gold (or
-    demonstration) solutions, cross-entropy on the response tokens only, each process a share of every
-    batch; LR warm-up over 20 steps then linear decay, gradients clipped to norm 1."""
+    """Supervised warm start (reference §3.3): AdamW on the gold (or demonstration) solutions' tokens, LR
+    warm-up over 20 steps then linear decay, gradients clipped to norm 1."""
     rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
     rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
     policy.train()

@@ -1,15 +1,10 @@
-"""Critics: a copy of the policy backbone with a value head on its last hidden states.
-
-Column t of the output belongs to s_t, the state that ends at token t; `values` gives GAE's [B, L-1]
-(the state after the last token is terminal, V = 0). The head always computes in fp32. Three heads:
+"""Critics: a copy of the policy backbone with an fp32 value head on its last hidden states; column t
+belongs to s_t, the state that ends at token t. Three heads:
   - "scalar":   V_t = w.H_t + c, MSE with value clipping (the PPO baseline; reference §2.7).
-  - "tracking": the TPPO critic: per-token increments h_i summed into value logits,
-                    z_t = b + sum_{P <= i <= t} h_i,   V_t = sigmoid(z_t),
-                b read at the last prompt token (position P-1): logit V(s_t) = logit V(s_{t-1}) + h_t,
-                a Bayes step. BCE-with-logits against the outcome at every state s_0..s_T of the
-                response (without s_T, the increment at the final EOS would never be trained).
-  - "bce":      z_t = w.H_t + c, the same BCE loss without the cumulative sum: the control that
-                tells a gain of the cumulative structure from a gain of the classification loss.
+  - "tracking": TPPO: per-token increments h_i summed into value logits, a Bayes step per token,
+                    z_t = b + sum_{P <= i <= t} h_i,   V_t = sigmoid(z_t),   b read at position P-1,
+                BCE-with-logits against the outcome at every state s_0..s_T (s_T trains h at EOS).
+  - "bce":      z_t = w.H_t + c, the same BCE loss without the sum: the control for the loss alone.
 """
 import torch
 import torch.nn.functional as F
@@ -34,7 +29,7 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, ids, mask, prompt_lens: torch.Tensor):
-        """fp32 values [B, L-1] ("scalar", GAE's states) or value logits z [B, L] (BCE heads: one more)."""
+        """fp32 values [B, L-1] ("scalar", GAE's states) or value logits z [B, L] (BCE heads: s_T too)."""
         hidden = self.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
         if self.head_type == "scalar":
             hidden = hidden[:, :-1]  # the state after the last token is terminal: GAE takes V = 0 there
@@ -48,8 +43,7 @@ class Critic(nn.Module):
         return out if self.head_type == "scalar" else torch.sigmoid(out)
 
     def loss(self, out, old_values, returns, rewards, mask, clip: float = 0.2):
-        """(loss, stats) of a minibatch: out from self(...), mask the [B, L-1] action mask; returns
-        [B, L-1]: the scalar head's targets; rewards [B]: the BCE heads' outcomes."""
+        """(loss, stats): returns [B, L-1] are the scalar head's targets, rewards [B] the BCE heads'."""
         if self.head_type == "scalar":
             # 0.5 * mean max((V - R)^2, (clip(V, V_old +- eps) - R)^2)   (reference §2.7)
             clipped = old_values + (out - old_values).clamp(-clip, clip)
@@ -64,8 +58,7 @@ class Critic(nn.Module):
 
 
 def tracking_logits(o, prompt_lens):
-    """z_t = b + sum_{P <= i <= t} h_i, in fp32: b = o at position P-1, h_i = o at response positions.
-    o: [B, L] per-position head outputs; prompt_lens: [B]."""
+    """z_t = b + sum_{P <= i <= t} h_i in fp32, b and h_i the head's outputs o [B, L] at P-1 and i >= P."""
     pos = torch.arange(o.shape[1], device=o.device)[None, :]
     start = (prompt_lens - 1)[:, None]
     prior = o.gather(1, start)                                  # b: [B, 1]

@@ -1,12 +1,8 @@
-"""VinePPO's credit assignment: reasoning steps, Monte Carlo state values, step advantages.
-
-Kazemnejad et al. 2024 (arXiv 2410.01679), §4: from every step boundary s_i of a sampled
-response, sample K more continuations with the current policy and average their rewards:
+"""VinePPO's credit assignment (Kazemnejad et al. 2024, arXiv 2410.01679, §4): from every step boundary s_i
+of a response, K more continuations; every token of step i takes A_i (the KL term lives in the loss):
 
     V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)                        (unbiased MC value)
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),  r_i = R * [i = n-1],  V(s_n) = 0  (gamma = 1)
-
-Every token of step i takes A_i. Values come from the task reward only: the KL term lives in the loss.
 """
 from bisect import bisect_right
 
@@ -17,11 +13,9 @@ import rollout
 
 
 def step_starts(token_texts: list[str]) -> list[int]:
-    """Token index where each reasoning step starts (the first at 0), by the reference's GSM8K rule
-    (tasks/gsm8k.py) on the text the tokens spell (decoded_pieces): a step opens at each '\\n' that starts
-    a line; leading empty lines merge into the first step; with an answer ('\\n####'), the last non-empty
-    line, the empty lines after it and the answer form one final step; a blank line in the middle is a
-    step. A token belongs to the step of its first character (reference pitfall 5)."""
+    """Token index where each step starts, by the reference's rule (tasks/gsm8k.py) on the tokens' text: a
+    step opens at each line; leading empty lines join the first; the last non-empty line, empty lines after
+    it and the answer ('\\n####') form one; a token is in its first character's step (reference pitfall 5)."""
     text = "".join(token_texts)
     answer_at = text.find("\n####")
     lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
@@ -41,9 +35,8 @@ def step_starts(token_texts: list[str]) -> list[int]:
 
 
 def decoded_pieces(tok, ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded sequence (''.join(pieces) is what the grader reads), by
-    incremental detokenization (as vLLM and TGI): decoded alone, a SentencePiece '▁' gives '' and one
-    byte of a multi-byte character '�'. A token leaving a character incomplete adds ''. O(T)."""
+    """The text each token adds to the decoded sequence, by incremental detokenization (as vLLM): decoded
+    alone, a SentencePiece '▁' gives '', a byte of a multi-byte character '�'."""
     decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
     pieces, start, read, shown = [], 0, 0, ""  # the window is ids[start:]; shown = its text up to read
     for t in range(len(ids)):
@@ -58,13 +51,12 @@ def decoded_pieces(tok, ids: list[int]) -> list[str]:
 
 
 def response_step_starts(tok, response_ids: list[int]) -> list[int]:
-    """step_starts of a sampled response, each token placed where its characters are in the decoded text."""
+    """step_starts of a sampled response, on its decoded text."""
     return step_starts(decoded_pieces(tok, response_ids))
 
 
 def step_advantages(values: list[float], reward: float) -> list[float]:
-    """A_i = r_i + V(s_{i+1}) - V(s_i), r_i = reward on the last step only, V(s_n) = 0 (VinePPO §4).
-    A None value (a state past the estimation cap) takes the realised return, as in the reference."""
+    """A_i = r_i + V(s_{i+1}) - V(s_i) (VinePPO §4); a None value (past the cap) takes the realised return."""
     v = list(values) + [0.0]
     for i in reversed(range(len(values))):
         if v[i] is None:
@@ -81,10 +73,9 @@ def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) ->
 
 def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k: int,
               grade, *, max_new_tokens: int, max_states: int, **gen):
-    """Set ep.values[i] = V_hat(s_i) for the first max_states states, None beyond. Each state is forked
-    from `cache` (row rows[e]: prompt + response of episodes[e]), identical states estimated once. A
-    continuation is graded with its prefix (reference pitfall 4), 0 if it runs out of the main rollout's
-    budget (max_new_tokens - b at response token b). Returns (states estimated, tokens generated)."""
+    """ep.values[i] = V_hat(s_i) of the first max_states states, forked from `cache` (row rows[e] holds
+    episodes[e]), each distinct state once, continuations graded with their prefix (reference pitfall 4)
+    within the rollout's budget. Returns (states estimated, tokens generated)."""
     unique = {}  # state tokens -> (episode, boundary)
     for e, ep in enumerate(episodes):
         for b in ep.step_starts[:max_states]:
@@ -106,9 +97,8 @@ def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k:
 
 def old_logprobs_and_values(policy, critic, episodes, grade, *, algo: str, temperature: float, mc_rollouts: int,
                             max_value_states: int, forward_batch_tokens: int, autocast, **gen) -> dict:
-    """ep.old_logp, and VinePPO's MC values or a critic's V(s_t) (value.py), as `algo` needs. One forward
-    pass per chunk of episodes gives the old log-probs and the KV cache of every prefix of every response,
-    which the forks copy: no state is encoded again. Returns the MC states and their generated tokens."""
+    """ep.old_logp, and MC values or a critic's V(s_t), as `algo` needs. One forward pass per chunk gives the
+    log-probs and the KV cache of every prefix, which the MC forks copy: no state is encoded again."""
     n_states = mc_tokens = 0
     device = next(policy.parameters()).device
     for chunk in tqdm(list(rollout.group_chunks(episodes, forward_batch_tokens)), desc="values", leave=False):
