@@ -54,8 +54,7 @@ def load_model(name: str, device, trust_remote_code: bool = False):
 
 def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None, name: str = "checkpoint",
                     policy_weights: dict | None = None, critic_weights: dict | None = None):
-    """Write OUT/name atomically (built in name.tmp, then swapped in): policy, critic/, trainer_state.pt.
-    *_weights: full state dicts of sharded (FSDP) models."""
+    """Write OUT/name atomically (built in name.tmp, then swapped in); *_weights: full FSDP state dicts."""
     final, tmp, old = (os.path.join(out, name + suffix) for suffix in ("", ".tmp", ".old"))
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp, state_dict=policy_weights)
@@ -138,8 +137,7 @@ def save_training_state(cfg, iteration: int, tok, policy, critic):
 
 
 def restore_training_state(cfg, state: dict | None, learners: list) -> int | None:
-    """The last iteration done (None: a fresh run, its files emptied); on resume, the optimizers, schedules
-    and random streams restored, the files cut back to the checkpoint."""
+    """The last iteration done (None: a fresh run); on resume, the states restored and files cut back."""
     paths = [os.path.join(cfg.out, name) for name in ("metrics.jsonl", "samples.jsonl")]
     if state is None:
         if parallel.rank() == 0:

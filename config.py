@@ -6,7 +6,7 @@ import math
 import re
 import sys
 
-import precision
+import start
 import value
 
 
@@ -72,7 +72,7 @@ class Config:
     forward_batch_tokens: int = arg(32768, "tokens of one log-prob / value forward pass", at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
     precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights (default: bf16 on CUDA, else fp32)",
-                         one_of("", *precision.PRECISIONS))
+                         one_of("", *start.PRECISIONS))
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, replacing its results")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: transformers' own architectures)")

@@ -7,8 +7,7 @@ from transformers.cache_utils import DynamicLayer
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A cache layer whose buffers are sized for the whole generation: each step writes its column in place
-    (DynamicLayer's torch.cat per step dominated large forked batches)."""
+    """Cache buffers sized for the whole generation, written in place (DynamicLayer's torch.cat was slow)."""
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
         super().__init__()
@@ -45,31 +44,21 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     capacity, autocast_on = width - 1 + new_tokens, torch.is_autocast_enabled(device.type)
     # one dtype for keys and values: autocast's when on (attention casts both to it anyway), else the cache's
     dtype = torch.get_autocast_dtype(device.type) if autocast_on else cache.layers[0].values.dtype
-    if method == "gather":  # buffer column c of fork i reads column c - starts[i] of its row
-        cols = torch.arange(capacity, device=device)[None, :] - starts
-        source_rows = torch.tensor(sources, device=device)[:, None, None]
-        index = source_rows, cols[:, None, :], (cols < 0)[:, None, :, None]
-        make_buffer = lambda x: gathered_rows(x, *index, dtype)
-    else:
-        make_buffer = lambda x: copied_rows(x, sources, ends, capacity, dtype)
+    cols = torch.arange(capacity, device=device)[None, :] - starts  # fork i's column c reads c - starts[i]
+    source_rows = torch.tensor(sources, device=device)[:, None, None]
+
+    def buffer(x):  # [n*k, H, capacity, D]: each fork's columns of x, zeros before them (masked, but finite)
+        if method == "gather":  # one indexed read and one fill: a few large GPU kernels per layer
+            heads = torch.arange(x.shape[1], device=device)[None, :, None]
+            buf = x[source_rows, heads, cols.clamp(0, x.shape[2] - 1)[:, None, :]].to(dtype)
+            return buf.masked_fill_((cols < 0)[:, None, :, None], 0)
+        buf = x.new_empty(len(ends), x.shape[1], capacity, x.shape[3], dtype=dtype)
+        for i, (row, e) in enumerate(zip(sources, ends)):  # block copies: on a CPU far faster than a gather
+            buf[i, :, : width - e] = 0  # 0 * NaN would leak through the mask
+            buf[i, :, width - e: width - 1] = x[row, :, : e - 1]
+        return buf
+
     forked = DynamicCache()
     for keys, values, *_ in cache:  # each [B, H, L, D]
-        forked.layers.append(PreallocatedLayer(make_buffer(keys), make_buffer(values), width - 1))
+        forked.layers.append(PreallocatedLayer(buffer(keys), buffer(values), width - 1))
     return ids, mask, forked
-
-
-def copied_rows(x, sources: list[int], ends: list[int], capacity: int, dtype) -> torch.Tensor:
-    """Buffer [n, H, capacity, D]: row i holds x[sources[i]]'s first ends[i]-1 columns, ending at column W-1."""
-    width = max(ends)
-    buf = x.new_empty(len(ends), x.shape[1], capacity, x.shape[3], dtype=dtype)
-    for i, (row, e) in enumerate(zip(sources, ends)):  # block copies: on a CPU far faster than a gather
-        buf[i, :, : width - e] = 0  # masked, but must be finite (0 * NaN would leak through)
-        buf[i, :, width - e: width - 1] = x[row, :, : e - 1]
-    return buf
-
-
-def gathered_rows(x, rows, cols, padding, dtype) -> torch.Tensor:
-    """copied_rows' buffer in one indexed read of x and one fill: a few large GPU kernels per layer."""
-    heads = torch.arange(x.shape[1], device=x.device)[None, :, None]
-    buf = x[rows, heads, cols.clamp(0, x.shape[2] - 1)].to(dtype)  # [n, H, C, D]
-    return buf.masked_fill_(padding, 0)  # left padding: masked, but must be finite

@@ -72,8 +72,7 @@ def merge_metrics(rows: list[tuple[dict, dict, dict]]) -> dict:
 
 
 def wrap(model, fsdp: bool, device):
-    """The module the update calls: DDP around the model, or the model sharded in place (fsdp), a decoder
-    layer at a time. Build optimizers after this."""
+    """What the update calls: DDP around the model, or the model sharded in place (fsdp); optimizers after."""
     if not dist.is_initialized() or isinstance(model, FSDPModule):
         return model
     if not fsdp:
@@ -110,8 +109,8 @@ def full_state_dict(model) -> dict:
 def optimizer_state(model, optim) -> dict:
     """What --resume needs of an optimizer; for FSDP the full state, gathered on the first process."""
     if isinstance(model, FSDPModule):
-        return get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True,
-                                                                                cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, optim, options=options)
     return optim.state_dict()
 
 

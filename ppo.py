@@ -131,8 +131,7 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
 def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int, minibatch: int,
                micro_batch: int, temperature: float, clip: float, kl_coef: float, value_clip: float,
                move_policy: bool, whiten: bool, pad_id: int, device, autocast) -> dict:
-    """`epochs` passes over shuffled minibatches, an optimizer step per minibatch and learner (the critic
-    only without move_policy); returns the mean loss statistics, mean gradient norm and skip counts."""
+    """`epochs` passes over shuffled minibatches, a step per minibatch and learner; returns mean statistics."""
     policy_stats, critic_stats, grad_norms, nonfinite = [], [], [], 0
     learners = [policy] + ([critic] if critic is not None else [])
     for learner in learners:

@@ -23,8 +23,7 @@ def extract_answer(text: str) -> str | None:
 
 
 def gsm8k_reward(completion: str, gold_answer: str) -> float:
-    """1.0 iff the answers are equal as strings, commas removed and case ignored: '72.0' and '$72' score 0,
-    as in the reference. gold_answer: the full answer field or the bare number."""
+    """1.0 iff the answers (gold: a whole answer or the number) match as strings, bar commas and case."""
     gold = extract_answer(gold_answer)
     gold = gold_answer.strip() if gold is None else gold
     pred = extract_answer(completion)
@@ -41,8 +40,7 @@ def sft_target(answer: str) -> str:
 
 
 def arith_problem(rng: random.Random, min_steps: int, max_steps: int, slip: float = 0.0) -> dict:
-    """'What is 7+3-5?' -> '7+3=10\n10-5=5\n#### 5'. In the SFT 'demonstration' a line is off by one with
-    probability `slip` (the chain goes on from there); grading uses 'answer': RL has slips to remove."""
+    """'What is 7+3-5?' -> '7+3=10\n10-5=5\n#### 5'; the SFT 'demonstration' slips by one with p = slip."""
     total = sloppy = rng.randint(1, 9)
     question, lines, demo = str(total), [], []
     for _ in range(rng.randint(min_steps, max_steps)):

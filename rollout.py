@@ -1,13 +1,15 @@
-"""Sampling with HF `generate` from forks of a KV cache (kv_fork.py), per-token log-probs, the
-reference's stop rule and token budgets, and the batching of forward passes."""
+"""Sampling from forks of a KV cache (kv_fork.py), per-token log-probs, the stop rule, forward batching."""
 import json
 import os
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 import parallel
 from kv_fork import fork
+
+LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax: at a 32k vocabulary, 128 MiB per fp32 copy
 
 
 @dataclass
@@ -35,20 +37,14 @@ def pad_id(tok) -> int:
 
 def pad_right(seqs: list[list[int]], pad_id: int, device=None):
     """Right-padded [B, L] ids and attention mask."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    mask = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]).long()
+    rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
     return ids.to(device), mask.to(device)
 
 
-LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax: at a 32k vocabulary, 128 MiB per fp32 copy
-
-
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
-    """log pi(x_{t+1} | x_<=t), [B, L-1], of softmax(logits / T): the sampled policy (reference §2.3); and
-    with keep_cache, this pass's KV cache, for forking."""
+    """log pi(x_{t+1} | x_<=t) [B, L-1] under softmax(logits / T), the sampler (reference §2.3); the cache."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
     logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
     return logp, (out.cache if keep_cache else None)
@@ -67,8 +63,7 @@ def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOG
 
 def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_method: str, pad_id: int, *,
                     temperature: float, top_p: float, eos_id: int, tokenizer=None, stop: str | None = None):
-    """New ids of k forks of each prefix, decoded by HF `generate` (temperature 0: greedy), rows that stopped
-    (EOS or `stop`) filled with EOS. The fork buffers die on return: two batches' are never alive at once."""
+    """New ids of k forks of each prefix by HF `generate`; the fork buffers die on return (one batch alive)."""
     ids, mask, forked = fork(cache, prefixes, rows, k, budget, pad_id, fork_method)
     # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
@@ -80,24 +75,18 @@ def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_meth
     return out[:, ids.shape[1]:].tolist()
 
 
-def cut_at_stop(tokenizer, seq: list[int], stop: str, eos_id: int) -> list[int]:
-    """When the text of `seq` (EOS aside) holds `stop`: the tokens before the one where it starts, then
-    EOS (reference §3.4); else `seq`. HF stops at the token completing `stop`, so it lies in the last
-    len(stop) tokens (each adds >= 1 character)."""
+def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str | None = None):
+    """A generated row cut after its first EOS, to its budget, and before the token where `stop` starts, then
+    EOS (reference §3.4); and whether it ends in EOS. HF stops at the token completing `stop`, so `stop`
+    lies in the last len(stop) tokens (each adds >= 1 character)."""
+    seq = (seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)[:budget]
     body = seq[:-1] if seq and seq[-1] == eos_id else seq
     text = lambda lo: tokenizer.decode(body[lo:], skip_special_tokens=True)
-    if stop not in text(max(0, len(body) - len(stop))):
-        return seq
-    start = len(body) - 1
-    while stop not in text(start):  # the last token whose text, with what follows, holds `stop`
-        start -= 1
-    return body[:start] + [eos_id]
-
-
-def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str | None = None):
-    """A generated row cut after its first EOS, to its budget and before `stop`; and whether it ends in EOS."""
-    seq = (seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)[:budget]
-    seq = cut_at_stop(tokenizer, seq, stop, eos_id) if stop else seq
+    if stop and stop in text(max(0, len(body) - len(stop))):
+        start = len(body) - 1
+        while stop not in text(start):  # the last token whose text, with what follows, holds `stop`
+            start -= 1
+        seq = body[:start] + [eos_id]
     return seq, bool(seq) and seq[-1] == eos_id
 
 
@@ -105,9 +94,8 @@ def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str |
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temperature: float,
            top_p: float, eos_id: int, pad_id: int, cache=None, rows: list[int] | None = None,
            max_batch_tokens: int = 65536, tokenizer=None, stop: str | None = None, fork_method: str = "copy"):
-    """k continuations of each prefix (lists of new ids, EOS kept) and k finished flags, forked from
-    `cache`, whose row rows[j] starts with prefixes[j], or from the prefixes encoded here, once each.
-    Continuation j adds <= min(budgets[j], context - prefix) tokens (reference §1.1)."""
+    """k continuations (new ids, EOS kept) and finished flags of each prefix, forked from `cache` (row
+    rows[j]: prefixes[j]) or from the prefixes encoded here; budgets clipped to the context (ref. §1.1)."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     device = next(model.parameters()).device
@@ -168,8 +156,7 @@ def reference_logprobs(ref, episodes, *, temperature: float, pad_id: int, forwar
 
 
 def group_chunks(episodes, max_tokens: int):
-    """Consecutive episodes in batches of about max_tokens, never splitting a prompt's samples (whose
-    identical states then meet in one batch)."""
+    """Episodes in batches of about max_tokens, never splitting a prompt's samples (identical states meet)."""
     chunk, width = [], 0
     for ep in episodes:
         length = len(ep.prompt_ids) + len(ep.response_ids)

@@ -1,16 +1,21 @@
-"""Everything before the first iteration: process, output directory, data, models (SFT warm start, frozen
-reference, critic) and optimizers; on --resume, all of it as the last checkpoint left it."""
+"""Everything before the first iteration: process, precision, output directory, data, models (SFT warm
+start, frozen reference, critic) and optimizers; on --resume, all of it as the last checkpoint left it.
+
+--precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup): linear layers
+and attention compute in bf16; weights, norms, softmax, log-probs, the value head and AdamW stay fp32.
+CPUs have the same autocast, so the bf16 path runs anywhere."""
 import copy
 import math
 import os
 import random
+from contextlib import nullcontext
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 import parallel
 import ppo
-import precision
 import reward
 import rollout
 import value
@@ -18,7 +23,30 @@ from checkpoint import ALIASES, RESULTS, build_tiny_model, find_resume, load_cri
     restore_training_state, save_checkpoint
 from reward import DataError
 
+PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = dict(activation_checkpointing_kwargs={"use_reentrant": False})  # so DDP and FSDP take it
+
+
+def default_precision(device: torch.device) -> str:
+    """bf16 on CUDA (the reference's); fp32 elsewhere: the CPU demo keeps its exact numbers."""
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def autocast(device: torch.device, precision: str):
+    """The context of every forward pass: bf16 autocast for "bf16", none for "fp32"."""
+    assert precision in PRECISIONS, precision
+    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+
+def cast_linear_weights(model, precision: str):
+    """bf16: a frozen model's nn.Linear weights in bf16, which autocast casts anyway: the same numbers (KL 0
+    at equal weights) in half the memory. Not model.to(bf16): norms and RoPE would round too."""
+    if precision == "bf16":
+        embedding = model.get_input_embeddings().weight
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.weight is not embedding:  # a tied one is read uncast
+                module.to(torch.bfloat16)
+    return model
 
 
 def start_process(cfg):
@@ -33,8 +61,8 @@ def start_process(cfg):
                             f"must be divisible by the {world} processes")
     random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)  # processes sample different responses
-    cfg.precision = cfg.precision or precision.default_precision(device)
-    return rank, world, device, precision.autocast(device, cfg.precision)  # every forward pass
+    cfg.precision = cfg.precision or default_precision(device)
+    return rank, world, device, autocast(device, cfg.precision)  # every forward pass
 
 
 def start_run(cfg, device, autocast):
@@ -63,7 +91,7 @@ def start_run(cfg, device, autocast):
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
             critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
     ref.eval().requires_grad_(False)
-    precision.cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
+    cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
     # one AdamW state and LR schedule per trained model, kept across iterations (reference pitfall 12)
     steps_per_iteration = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
     total = cfg.iterations * steps_per_iteration
@@ -100,8 +128,7 @@ def prepare_out(cfg):
 
 
 def load_policy_and_reference(cfg, resume_from: str | None, device):
-    """(tokenizer, policy, reference): on resume, the reference from OUT/reference (after SFT) or the
-    starting model; else a copy of the policy, which SFT then overwrites. The tiny model is built once."""
+    """(tokenizer, policy, reference): on resume the reference is OUT/reference (after SFT) or the start."""
     name = ALIASES.get(cfg.model, cfg.model)
     if name == "tiny":
         name = os.path.join(cfg.out, "tiny-init")
@@ -116,8 +143,7 @@ def load_policy_and_reference(cfg, resume_from: str | None, device):
 
 
 def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
-    """Supervised warm start (reference §3.3): AdamW on the gold (or demonstration) solutions' tokens, LR
-    warm-up over 20 steps then linear decay, gradients clipped to norm 1."""
+    """Supervised warm start (reference §3.3) on the gold (or demonstration) solutions' response tokens."""
     rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
     rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
     policy.train()

@@ -35,8 +35,7 @@ def step_starts(token_texts: list[str]) -> list[int]:
 
 
 def decoded_pieces(tok, ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded sequence, by incremental detokenization (as vLLM): decoded
-    alone, a SentencePiece '▁' gives '', a byte of a multi-byte character '�'."""
+    """The text each token adds to the decoded sequence (alone, '▁' decodes to ''), as vLLM detokenizes."""
     decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
     pieces, start, read, shown = [], 0, 0, ""  # the window is ids[start:]; shown = its text up to read
     for t in range(len(ids)):
@@ -97,8 +96,7 @@ def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k:
 
 def old_logprobs_and_values(policy, critic, episodes, grade, *, algo: str, temperature: float, mc_rollouts: int,
                             max_value_states: int, forward_batch_tokens: int, autocast, **gen) -> dict:
-    """ep.old_logp, and MC values or a critic's V(s_t), as `algo` needs. One forward pass per chunk gives the
-    log-probs and the KV cache of every prefix, which the MC forks copy: no state is encoded again."""
+    """ep.old_logp, and MC values or a critic's V(s_t), from one forward pass per chunk (its KV cache forked)."""
     n_states = mc_tokens = 0
     device = next(policy.parameters()).device
     for chunk in tqdm(list(rollout.group_chunks(episodes, forward_batch_tokens)), desc="values", leave=False):
