@@ -158,23 +158,19 @@ def restore_training_state(cfg, state: dict | None, learners: list) -> int | Non
                    "random streams reseeded")
         torch.manual_seed(cfg.seed + parallel.rank() + 1000 * (state["iteration"] + 1))
     if parallel.rank() == 0:
-        for path in paths:
-            truncate_jsonl(path, state["iteration"])
+        for path in filter(os.path.exists, paths):
+            with open(path) as f:
+                rows = [line for line in f if complete_row(line, state["iteration"])]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(rows)
+            os.replace(path + ".tmp", path)
     return state["iteration"]
 
 
-def truncate_jsonl(path: str, last_iteration: int):
-    """Drop the rows after the checkpoint and one torn by a kill: a resumed run neither repeats nor skips."""
-    if not os.path.exists(path):
-        return
-    rows = []
-    for line in open(path):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row["iteration"] <= last_iteration:
-            rows.append(line)
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(path + ".tmp", path)
+def complete_row(line: str, last_iteration: int) -> bool:
+    """A row up to the checkpoint, not torn by a kill: a resumed run neither repeats nor skips one."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(row, dict) and row["iteration"] <= last_iteration

@@ -1,5 +1,4 @@
-"""The settings of train.py: each with its default, its help (--help) and its rule, checked once before
-any work; DEMO, the preset of the offline demo; parse_args."""
+"""train.py's settings, each with its default, help and rule (checked once, before any work); the demo's."""
 import argparse
 import dataclasses
 import math

@@ -1,6 +1,5 @@
-"""KV-cache prefix forking, VinePPO's environment reset (§3): the forward pass over whole trajectories holds
-the keys/values of every prefix, so a state is forked by copying that cache up to its boundary, K times,
-right-aligned, into buffers with room for the continuation, and decoding on (rollout.sample)."""
+"""KV-cache prefix forking, VinePPO's environment reset (§3): the pass over whole trajectories holds every
+prefix's keys/values, so a state is forked by copying them, K times, into buffers with room to decode on."""
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -29,9 +28,8 @@ FORK_METHODS = ("copy", "gather")
 
 def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
          method: str = "copy"):
-    """Reset to each prefix (row rows[j] of `cache`'s pass) k times: left-padded ids [n*k, W], their mask,
-    and a cache of the first W-1 columns (`generate` feeds the last) with room for new_tokens more. method:
-    "copy" (block copies per row, fast on a CPU) or "gather" (one indexed read, for GPUs): equal buffers."""
+    """Reset to each prefix (row rows[j] of `cache`) k times: left-padded ids [n*k, W], mask, and a cache of
+    W-1 columns (`generate` feeds the last), by "copy" (CPU) or "gather" (GPU): the same buffers."""
     assert method in FORK_METHODS, method
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     ends = [len(p) for p in prefixes for _ in range(k)]

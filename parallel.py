@@ -1,5 +1,4 @@
-"""Several processes under torchrun: each samples its share of the prompts; the update runs under DDP or
-(--fsdp) FSDP2's fully_shard. In one process every function here is the identity or a plain call."""
+"""Several processes under torchrun (DDP, or FSDP2 with --fsdp); in one process, identities and plain calls."""
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -45,7 +44,6 @@ def barrier():
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over processes, in place."""
     if dist.is_initialized():
         dist.all_reduce(t)
     return t

@@ -2,7 +2,6 @@
 GAE for a critic, group normalisation for GRPO, VinePPO's MC values (vine.py). Tensors are [B, L-1],
 aligned with the actions: position t holds token t+1's log-prob, advantage, ... (reference pitfall 6)."""
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -105,20 +104,16 @@ def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic:
     return {"explained_variance": explained_variance(values, returns, mask)}
 
 
-@dataclass
 class Learner:
-    """A trained model, with the AdamW state and LR schedule it keeps across iterations."""
-    model: torch.nn.Module      # the weights (saved, evaluated)
-    module: torch.nn.Module     # what the update calls: a DDP wrapper under torchrun, else the model
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    """A trained model, with the AdamW state and LR schedule it keeps across iterations (ref. pitfall 12)."""
 
-
-def make_learner(model, lr: float, total_steps: int, warmup_steps: int, fsdp: bool, device) -> Learner:
-    module = parallel.wrap(model, fsdp, device)  # before the optimizer: FSDP replaces the parameters
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(step, total_steps, warmup_steps))
-    return Learner(model, module, optim, schedule)
+    def __init__(self, model, lr: float, total_steps: int, warmup_steps: int, fsdp: bool, device):
+        self.model = model  # the weights (saved, evaluated)
+        self.module = parallel.wrap(model, fsdp, device)  # what the update calls (DDP); FSDP: before AdamW
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                                           weight_decay=0.0)
+        schedule = lambda step: lr_factor(step, total_steps, warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
@@ -174,8 +169,7 @@ def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int
 
 
 def backward_if_finite(loss, stats: dict, into: list) -> bool:
-    """Backward of a finite loss, its stats kept; True when not finite. Under DDP every process must take
-    part in every backward: it runs anyway, and the NaN gradient norm skips the step on all of them."""
+    """Backward of a finite loss (stats kept), else True; DDP needs the backward anyway: a NaN skips the step."""
     finite = bool(torch.isfinite(loss))
     if finite:
         into.append(stats)

@@ -1,5 +1,4 @@
-"""Problems in GSM8K's format ({"question", "answer": "... #### N"}) and their rewards: "gsm8k" (hub), a
-local .jsonl file, or "arith", the built-in offline task (chains of additions and subtractions)."""
+"""GSM8K-format problems ("answer" ends in "#### N") from the hub, a .jsonl file or the built-in "arith"."""
 import json
 import random
 import re
@@ -23,7 +22,7 @@ def extract_answer(text: str) -> str | None:
 
 
 def gsm8k_reward(completion: str, gold_answer: str) -> float:
-    """1.0 iff the answers (gold: a whole answer or the number) match as strings, bar commas and case."""
+    """1.0 iff the answers match as strings bar commas and case ('72.0', '$72' score 0, as in the reference)."""
     gold = extract_answer(gold_answer)
     gold = gold_answer.strip() if gold is None else gold
     pred = extract_answer(completion)
@@ -126,8 +125,8 @@ def encode_prompt(tok, question: str) -> list[int]:
 
 
 def sft_example(tok, question: str, answer: str) -> tuple[list[int], int]:
-    """(prompt + response + EOS ids, prompt length) (reference §3.3). The response is tokenized after the
-    prompt (alone, SentencePiece would start it with a '▁'), or alone where the two tokens merge (BPE)."""
+    """(prompt + response + EOS ids, prompt length) (reference §3.3), the response tokenized after the
+    prompt (alone, SentencePiece would start it with a '▁'), or alone where the two merge (BPE)."""
     prompt_ids, target = encode_prompt(tok, question), sft_target(answer)
     prompt_text_ids = prompt_ids[1:] if tok.bos_token_id is not None else prompt_ids
     joint = tok(PROMPT.format(question=question.strip()) + target, add_special_tokens=False).input_ids

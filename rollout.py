@@ -36,7 +36,6 @@ def pad_id(tok) -> int:
 
 
 def pad_right(seqs: list[list[int]], pad_id: int, device=None):
-    """Right-padded [B, L] ids and attention mask."""
     rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
     ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
     mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
@@ -76,9 +75,8 @@ def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_meth
 
 
 def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str | None = None):
-    """A generated row cut after its first EOS, to its budget, and before the token where `stop` starts, then
-    EOS (reference §3.4); and whether it ends in EOS. HF stops at the token completing `stop`, so `stop`
-    lies in the last len(stop) tokens (each adds >= 1 character)."""
+    """(row cut after its first EOS, to its budget, and before `stop` then EOS (reference §3.4), ends in EOS).
+    HF stops at the token completing `stop`: it lies in the last len(stop) tokens (each adds >= 1 char)."""
     seq = (seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)[:budget]
     body = seq[:-1] if seq and seq[-1] == eos_id else seq
     text = lambda lo: tokenizer.decode(body[lo:], skip_special_tokens=True)
@@ -94,15 +92,13 @@ def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str |
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temperature: float,
            top_p: float, eos_id: int, pad_id: int, cache=None, rows: list[int] | None = None,
            max_batch_tokens: int = 65536, tokenizer=None, stop: str | None = None, fork_method: str = "copy"):
-    """k continuations (new ids, EOS kept) and finished flags of each prefix, forked from `cache` (row
-    rows[j]: prefixes[j]) or from the prefixes encoded here; budgets clipped to the context (ref. §1.1)."""
+    """k continuations and finished flags per prefix, forked from `cache` (row rows[j]) or encoded here."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
     budgets = [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
-    stopping = dict(tokenizer=tokenizer, stop=stop)
-    decoding = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, **stopping)
+    decoding = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, tokenizer=tokenizer, stop=stop)
     gen = dict(decoding, pad_id=pad_id, max_batch_tokens=max_batch_tokens, fork_method=fork_method)
     if cache is None:  # encode the prefixes, once each, in groups that fit the budget; then fork
         group = max(1, max_batch_tokens // (k * (max(map(len, prefixes)) + max(budgets))))
@@ -128,7 +124,7 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
         new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
                               fork_method, pad_id, **decoding) if budget > 0 else [[]] * (len(chunk) * k)
         for i, j in enumerate(chunk):
-            results = [finish(seq, budgets[j], eos_id, **stopping) for seq in new[i * k:(i + 1) * k]]
+            results = [finish(seq, budgets[j], eos_id, tokenizer, stop) for seq in new[i * k:(i + 1) * k]]
             conts[j], done[j] = [c for c, _ in results], [f for _, f in results]
     model.train(was_training)
     return conts, done

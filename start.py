@@ -1,9 +1,6 @@
 """Everything before the first iteration: process, precision, output directory, data, models (SFT warm
 start, frozen reference, critic) and optimizers; on --resume, all of it as the last checkpoint left it.
-
---precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup): linear layers
-and attention compute in bf16; weights, norms, softmax, log-probs, the value head and AdamW stay fp32.
-CPUs have the same autocast, so the bf16 path runs anywhere."""
+--precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup), on CPUs too."""
 import copy
 import math
 import os
@@ -33,7 +30,6 @@ def default_precision(device: torch.device) -> str:
 
 
 def autocast(device: torch.device, precision: str):
-    """The context of every forward pass: bf16 autocast for "bf16", none for "fp32"."""
     assert precision in PRECISIONS, precision
     return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
 
@@ -92,10 +88,9 @@ def start_run(cfg, device, autocast):
             critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
     ref.eval().requires_grad_(False)
     cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
-    # one AdamW state and LR schedule per trained model, kept across iterations (reference pitfall 12)
     steps_per_iteration = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
     total = cfg.iterations * steps_per_iteration
-    learners = [ppo.make_learner(model, lr, total, int(cfg.warmup * total), cfg.fsdp, device)
+    learners = [ppo.Learner(model, lr, total, int(cfg.warmup * total), cfg.fsdp, device)
                 for model, lr in [(policy, cfg.lr), (critic, cfg.critic_lr)] if model is not None]
     done = restore_training_state(cfg, state, learners)
     return tok, train_set, eval_set, ref, learners[0], (learners[1] if critic is not None else None), done

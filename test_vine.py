@@ -412,7 +412,7 @@ def scored_episodes(model, rewards_by_group, lengths):
 
 
 def run_update(model, eps, whiten):
-    learner = ppo.make_learner(model, 1e-2, 10, 0, False, "cpu")
+    learner = ppo.Learner(model, 1e-2, 10, 0, False, "cpu")
     return ppo.ppo_update(eps, learner, None, epochs=1, minibatch=len(eps), micro_batch=len(eps),
                           temperature=1.0, clip=0.2, kl_coef=0.0, value_clip=0.2, move_policy=True,
                           whiten=whiten, pad_id=0, device="cpu", autocast=contextlib.nullcontext())

@@ -107,7 +107,6 @@ def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict,
 
 
 def log(out: str, row: dict):
-    """The first process appends the row to metrics.jsonl and prints it."""
     if parallel.rank() == 0:
         with open(os.path.join(out, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")

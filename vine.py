@@ -5,6 +5,7 @@ of a response, K more continuations; every token of step i takes A_i (the KL ter
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),  r_i = R * [i = n-1],  V(s_n) = 0  (gamma = 1)
 """
 from bisect import bisect_right
+from itertools import accumulate
 
 import torch
 from tqdm import tqdm
@@ -23,15 +24,10 @@ def step_starts(token_texts: list[str]) -> list[int]:
     opens = []  # character positions of the '\n' that opens a step
     if nonempty:
         last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
-        newline_at = [sum(len(line) + 1 for line in lines[:i]) - 1 for i in range(1, len(lines))]
-        opens = [newline_at[i - 1] for i in range(nonempty[0] + 1, last + 1)]
-    starts, char, step_of_prev = [0], 0, 0
-    for t, piece in enumerate(token_texts):
-        step = bisect_right(opens, char)  # steps opened at or before this token's first char
-        if t > 0 and step != step_of_prev:
-            starts.append(t)
-        step_of_prev, char = step, char + len(piece)
-    return starts
+        opens = [sum(len(line) + 1 for line in lines[:i]) - 1 for i in range(nonempty[0] + 1, last + 1)]
+    firsts = list(accumulate((len(piece) for piece in token_texts), initial=0))[:-1]  # each token's first char
+    steps = [bisect_right(opens, char) for char in firsts]  # steps opened at or before it
+    return [0] + [t for t in range(1, len(steps)) if steps[t] != steps[t - 1]]
 
 
 def decoded_pieces(tok, ids: list[int]) -> list[str]:
@@ -50,7 +46,6 @@ def decoded_pieces(tok, ids: list[int]) -> list[str]:
 
 
 def response_step_starts(tok, response_ids: list[int]) -> list[int]:
-    """step_starts of a sampled response, on its decoded text."""
     return step_starts(decoded_pieces(tok, response_ids))
 
 
@@ -72,9 +67,8 @@ def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) ->
 
 def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k: int,
               grade, *, max_new_tokens: int, max_states: int, **gen):
-    """ep.values[i] = V_hat(s_i) of the first max_states states, forked from `cache` (row rows[e] holds
-    episodes[e]), each distinct state once, continuations graded with their prefix (reference pitfall 4)
-    within the rollout's budget. Returns (states estimated, tokens generated)."""
+    """ep.values[i] = V_hat(s_i) of the first max_states states, forked from `cache` (row rows[e]), each
+    distinct state once, graded with its prefix (reference pitfall 4); -> (states, tokens generated)."""
     unique = {}  # state tokens -> (episode, boundary)
     for e, ep in enumerate(episodes):
         for b in ep.step_starts[:max_states]:
@@ -96,7 +90,7 @@ def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k:
 
 def old_logprobs_and_values(policy, critic, episodes, grade, *, algo: str, temperature: float, mc_rollouts: int,
                             max_value_states: int, forward_batch_tokens: int, autocast, **gen) -> dict:
-    """ep.old_logp, and MC values or a critic's V(s_t), from one forward pass per chunk (its KV cache forked)."""
+    """ep.old_logp, and MC values or a critic's V(s_t), from one forward pass per chunk (its cache forked)."""
     n_states = mc_tokens = 0
     device = next(policy.parameters()).device
     for chunk in tqdm(list(rollout.group_chunks(episodes, forward_batch_tokens)), desc="values", leave=False):
