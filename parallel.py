@@ -18,8 +18,7 @@ def init(device: torch.device):
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-        # While the first process writes a checkpoint (~26 GB for PPO at 1.1B), the others wait in their
-        # next collective: NCCL's default timeout, 10 minutes, would end the run on a slow disk.
+        # others wait while the first writes a checkpoint (~26 GB for PPO at 1.1B): 10 minutes can be too few
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=60),
                                 device_id=device if device.type == "cuda" else None)
     return rank, world, device
@@ -50,7 +49,6 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather(obj) -> list:
-    """Every process's obj, on every process."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()

@@ -28,8 +28,7 @@ def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
     values = values * mask
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
     deltas = (rewards + gamma * next_values - values) * mask
-    adv = torch.zeros_like(values)
-    running = torch.zeros_like(values[:, 0])
+    adv, running = torch.zeros_like(values), torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
         running = deltas[:, t] + gamma * lam * running * mask[:, t]
         adv[:, t] = running
@@ -69,8 +68,7 @@ def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: fl
     loss = pg_loss + kl_coef * kl
     mean_ratio = masked_mean(ratio, mask)
     skipped = bool(mean_ratio > max_ratio)
-    if skipped:
-        loss = loss * 0.0
+    loss = loss * 0.0 if skipped else loss
     with torch.no_grad():
         stats = {"policy_loss": pg_loss.item(), "kl": kl.item(), "ratio": mean_ratio.item(),
                  "clipfrac": masked_mean(((ratio - 1).abs() > clip).float(), mask).item(),
@@ -169,7 +167,7 @@ def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int
 
 
 def backward_if_finite(loss, stats: dict, into: list) -> bool:
-    """Backward of a finite loss (stats kept), else True; DDP needs the backward anyway: a NaN skips the step."""
+    """Backward of a finite loss (its stats kept), else True; under DDP it runs: a NaN norm skips the step."""
     finite = bool(torch.isfinite(loss))
     if finite:
         into.append(stats)

@@ -183,7 +183,6 @@ def evaluate(policy, problems, cfg, tok, gen, grade, autocast, iteration: int) -
                 f.write(json.dumps({"iteration": iteration, "prompt": text(ep.prompt_ids),
                                     "response": text(ep.response_ids), "gold": ep.gold,
                                     "reward": ep.reward}) + "\n")
-    device = next(policy.parameters()).device
-    correct, count = parallel.all_reduce_sum(torch.tensor([sum(ep.reward for ep in episodes), len(episodes)],
-                                                          dtype=torch.float64, device=device))
+    totals = torch.tensor([sum(ep.reward for ep in episodes), len(episodes)], dtype=torch.float64)
+    correct, count = parallel.all_reduce_sum(totals.to(next(policy.parameters()).device))
     return (correct / count).item()

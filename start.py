@@ -11,13 +11,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+import checkpoint
 import parallel
 import ppo
 import reward
 import rollout
 import value
-from checkpoint import ALIASES, RESULTS, build_tiny_model, find_resume, load_critic, load_model, \
-    restore_training_state, save_checkpoint
 from reward import DataError
 
 PRECISIONS = ("fp32", "bf16")
@@ -67,7 +66,7 @@ def start_run(cfg, device, autocast):
     train_set = reward.load_problems(cfg.data, "train", seed=cfg.seed, slip=cfg.arith_slip)
     eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", seed=cfg.seed)
     eval_set = eval_set[: cfg.eval_problems or None]
-    resume_from, state = find_resume(cfg)
+    resume_from, state = checkpoint.find_resume(cfg)
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable(**RECOMPUTE)
@@ -79,10 +78,10 @@ def start_run(cfg, device, autocast):
         sft_warm_start(policy, tok, train_set, cfg, device, autocast)
         ref.load_state_dict(parallel.full_state_dict(policy))
         if parallel.rank() == 0:
-            save_checkpoint(cfg.out, ref, tok, name="reference")  # resumed runs reload it
+            checkpoint.save_checkpoint(cfg.out, ref, tok, name="reference")  # resumed runs reload it
     critic = None  # PPO / TPPO: a copy of the starting policy's backbone with a value head (value.py)
     if cfg.algo in ("ppo", "tppo"):
-        critic = load_critic(resume_from, device) if resume_from else \
+        critic = checkpoint.load_critic(resume_from, device) if resume_from else \
             value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
             critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
@@ -92,7 +91,7 @@ def start_run(cfg, device, autocast):
     total = cfg.iterations * steps_per_iteration
     learners = [ppo.Learner(model, lr, total, int(cfg.warmup * total), cfg.fsdp, device)
                 for model, lr in [(policy, cfg.lr), (critic, cfg.critic_lr)] if model is not None]
-    done = restore_training_state(cfg, state, learners)
+    done = checkpoint.restore_training_state(cfg, state, learners)
     return tok, train_set, eval_set, ref, learners[0], (learners[1] if critic is not None else None), done
 
 
@@ -109,7 +108,7 @@ def drop_long_prompts(problems: list[dict], max_tokens: int, split: str) -> list
 
 def prepare_out(cfg):
     """Create --out, writable, without an earlier run's results unless --resume or --overwrite."""
-    found = [name for name in RESULTS if os.path.exists(os.path.join(cfg.out, name))]
+    found = [name for name in checkpoint.RESULTS if os.path.exists(os.path.join(cfg.out, name))]
     if found and not cfg.resume and not cfg.overwrite:
         raise DataError(f"--out {cfg.out!r} holds an earlier run ({', '.join(found)}): "
                         "pass --resume to continue it or --overwrite to replace it")
@@ -124,17 +123,17 @@ def prepare_out(cfg):
 
 def load_policy_and_reference(cfg, resume_from: str | None, device):
     """(tokenizer, policy, reference): on resume the reference is OUT/reference (after SFT) or the start."""
-    name = ALIASES.get(cfg.model, cfg.model)
+    name = checkpoint.ALIASES.get(cfg.model, cfg.model)
     if name == "tiny":
         name = os.path.join(cfg.out, "tiny-init")
         if not resume_from and parallel.rank() == 0:
-            build_tiny_model(name, cfg.seed)
+            checkpoint.build_tiny_model(name, cfg.seed)
         parallel.barrier()  # the other processes wait until it is written
-    tok, policy = load_model(resume_from or name, device, cfg.trust_remote_code)
+    tok, policy = checkpoint.load_model(resume_from or name, device, cfg.trust_remote_code)
     if not resume_from:
         return tok, policy, copy.deepcopy(policy)
     ref_path = os.path.join(cfg.out, "reference") if cfg.sft_steps else name
-    return tok, policy, load_model(ref_path, device, cfg.trust_remote_code)[1]
+    return tok, policy, checkpoint.load_model(ref_path, device, cfg.trust_remote_code)[1]
 
 
 def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):

@@ -76,19 +76,15 @@ def main(cfg: Config):
                                move_policy=it > cfg.critic_warmup, whiten=cfg.algo != "grpo",
                                pad_id=gen["pad_id"], device=device, autocast=autocast)
         clock.append(time.time())
-        # 8. log, evaluate, checkpoint
+        # 8. log, evaluate, checkpoint: every N iterations (N = 0: never) and at the last one
+        due = lambda every: it == cfg.iterations or (every > 0 and it % every == 0)
         row = {"iteration": it, **iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, clock)}
-        if due(it, cfg.eval_every, cfg.iterations):
+        if due(cfg.eval_every):
             row["eval_accuracy"] = evaluate(it)
         log(cfg.out, row)
-        if due(it, cfg.save_every, cfg.iterations):
+        if due(cfg.save_every):
             checkpoint.save_training_state(cfg, it, tok, policy, critic)
     return policy.model
-
-
-def due(iteration: int, every: int, last: int) -> bool:
-    """Every `every` iterations and at the last one (every = 0: at the last one only)."""
-    return iteration == last or (every > 0 and iteration % every == 0)
 
 
 def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy, clock: list) -> dict:

@@ -1,11 +1,8 @@
-"""Critics: a copy of the policy backbone with an fp32 value head on its last hidden states; column t
-belongs to s_t, the state that ends at token t. Three heads:
+"""Critics: the policy's backbone with an fp32 value head; column t belongs to s_t, the state ending at token t.
   - "scalar":   V_t = w.H_t + c, MSE with value clipping (the PPO baseline; reference §2.7).
-  - "tracking": TPPO: per-token increments h_i summed into value logits, a Bayes step per token,
-                    z_t = b + sum_{P <= i <= t} h_i,   V_t = sigmoid(z_t),   b read at position P-1,
+  - "tracking": TPPO: z_t = b + sum_{P <= i <= t} h_i, V_t = sigmoid(z_t) (b at P-1; a Bayes step per token),
                 BCE-with-logits against the outcome at every state s_0..s_T (s_T trains h at EOS).
-  - "bce":      z_t = w.H_t + c, the same BCE loss without the sum: the control for the loss alone.
-"""
+  - "bce":      z_t = w.H_t + c, the same BCE loss without the sum: the control for the loss alone."""
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -60,7 +60,6 @@ def step_advantages(values: list[float], reward: float) -> list[float]:
 
 
 def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) -> list[float]:
-    """Broadcast step advantages to the tokens of each step; [n_tokens]."""
     bounds = starts[1:] + [n_tokens]
     return [a for a, lo, hi in zip(step_adv, starts, bounds) for _ in range(hi - lo)]
 
