@@ -74,7 +74,6 @@ def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=Non
 
 
 def load_critic(checkpoint: str, device):
-    """The critic saved by save_checkpoint in checkpoint/critic, or None when there is none."""
     path = os.path.join(checkpoint, "critic")
     if not os.path.exists(os.path.join(path, "value_head.pt")):
         return None

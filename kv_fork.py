@@ -4,6 +4,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+FORK_METHODS = ("copy", "gather")
+
 
 class PreallocatedLayer(DynamicLayer):
     """Cache buffers sized for the whole generation, written in place (DynamicLayer's torch.cat was slow)."""
@@ -21,9 +23,6 @@ class PreallocatedLayer(DynamicLayer):
         self.value_buffer[:, :, start:end] = value_states
         self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
         return self.keys, self.values
-
-
-FORK_METHODS = ("copy", "gather")
 
 
 def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,

@@ -12,7 +12,6 @@ class DataError(ValueError):
 
 
 def first_line(e: Exception) -> str:
-    """An exception in one line, for DataError messages (some hub errors span several)."""
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
@@ -61,7 +60,6 @@ def arith_dataset(n: int, seed: int, min_steps: int = 2, max_steps: int = 5, sli
 
 
 def check_problem(row, where: str) -> dict:
-    """A problem must have string 'question' and 'answer' fields, the answer ending in '#### N'."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object with 'question' and 'answer', "
                         f"got {type(row).__name__}")
@@ -74,7 +72,6 @@ def check_problem(row, where: str) -> dict:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """Problems from a GSM8K-format .jsonl file, with errors that name the line."""
     try:
         with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is accepted
             lines = f.readlines()

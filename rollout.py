@@ -180,9 +180,8 @@ def evaluate(policy, problems, cfg, tok, gen, grade, autocast, iteration: int) -
         with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
             text = lambda ids: tok.decode(ids, skip_special_tokens=True)
             for ep in episodes[: 3 * cfg.eval_samples: cfg.eval_samples]:
-                f.write(json.dumps({"iteration": iteration, "prompt": text(ep.prompt_ids),
-                                    "response": text(ep.response_ids), "gold": ep.gold,
-                                    "reward": ep.reward}) + "\n")
+                row = dict(iteration=iteration, prompt=text(ep.prompt_ids), response=text(ep.response_ids))
+                f.write(json.dumps({**row, "gold": ep.gold, "reward": ep.reward}) + "\n")
     totals = torch.tensor([sum(ep.reward for ep in episodes), len(episodes)], dtype=torch.float64)
     correct, count = parallel.all_reduce_sum(totals.to(next(policy.parameters()).device))
     return (correct / count).item()

@@ -45,7 +45,6 @@ def cast_linear_weights(model, precision: str):
 
 
 def start_process(cfg):
-    """(rank, world size, device, autocast context) of this process, its random streams seeded."""
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     rank, world, device = parallel.init(torch.device(auto if cfg.device == "auto" else cfg.device))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -96,7 +95,6 @@ def start_run(cfg, device, autocast):
 
 
 def drop_long_prompts(problems: list[dict], max_tokens: int, split: str) -> list[dict]:
-    """The problems whose prompt fits in max_tokens (the reference drops the others)."""
     kept = [p for p in problems if len(p["prompt_ids"]) <= max_tokens]
     if not kept:
         raise DataError(f"--max-prompt-tokens {max_tokens}: every {split} problem's prompt is longer")
@@ -107,7 +105,6 @@ def drop_long_prompts(problems: list[dict], max_tokens: int, split: str) -> list
 
 
 def prepare_out(cfg):
-    """Create --out, writable, without an earlier run's results unless --resume or --overwrite."""
     found = [name for name in checkpoint.RESULTS if os.path.exists(os.path.join(cfg.out, name))]
     if found and not cfg.resume and not cfg.overwrite:
         raise DataError(f"--out {cfg.out!r} holds an earlier run ({', '.join(found)}): "
