@@ -68,14 +68,15 @@ class Config:
     sft_batch: int = arg(64, "SFT batch size", at_least(1))
     arith_slip: float = arg(0.0, "arith only: chance that a step of an SFT demo is off by one", between(0, 1))
     max_batch_tokens: int = arg(524288, "generation batch budget: rows x (prefix + new tokens)", at_least(1))
-    forward_batch_tokens: int = arg(32768, "tokens of one log-prob / value forward pass", at_least(1))
+    forward_batch_tokens: int = arg(32768, "token budget of one log-prob / value forward pass", at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
     precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights (default: bf16 on CUDA, else fp32)",
                          one_of("", *start.PRECISIONS))
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, replacing its results")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: transformers' own architectures)")
-    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory (reference: on)")
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in backward: less memory, "
+                                       "slower updates (the reference runs with it)")
     fsdp: bool = arg(False, "under torchrun: shard policy and critic (weights, grads, AdamW) with FSDP2")
 
 
