@@ -1,5 +1,4 @@
-"""Models to and from disk (hub id, local path, the tiny offline model), atomic checkpoints, and
-what --resume needs to continue a run exactly (optimizers, schedules, random streams)."""
+"""Models to and from disk, atomic checkpoints, and what --resume needs to continue a run exactly."""
 import dataclasses
 import json
 import os
@@ -14,10 +13,14 @@ import value
 from reward import DataError, first_line
 
 ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's SFT checkpoint
+# what a resumed run cannot change: its models, data and what the reference was made from
+RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "arith_steps", "arith_slip",
+                     "sft_steps", "sft_lr", "sft_batch")
+RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
+
 
 def build_tiny_model(path: str, seed: int):
-    """A 4-layer, 128-wide Llama with random weights and a character-level tokenizer built in
-    code, saved with save_pretrained so that it loads through the same path as a hub model."""
+    """A 4-layer, 128-wide random Llama with a character-level tokenizer, saved as a hub model would be."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     chars = ["\n"] + [chr(c) for c in range(32, 127)]
@@ -51,10 +54,7 @@ def load_model(name: str, device, trust_remote_code: bool = False):
 
 def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None, name: str = "checkpoint",
                     policy_weights: dict | None = None, critic_weights: dict | None = None):
-    """Write OUT/name atomically: build it in a temporary directory, then swap it in; the previous
-    one is removed only once the new one is complete. safetensors weights (save_pretrained), the
-    critic in name/critic (backbone + value_head.pt), and trainer_state.pt for --resume.
-    *_weights: full state dicts, for models sharded over processes (FSDP)."""
+    """Write OUT/name atomically (built in name.tmp, then swapped in); *_weights: full FSDP state dicts."""
     final, tmp, old = (os.path.join(out, name + suffix) for suffix in ("", ".tmp", ".old"))
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp, state_dict=policy_weights)
@@ -74,7 +74,6 @@ def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=Non
 
 
 def load_critic(checkpoint: str, device):
-    """The critic saved by save_checkpoint in checkpoint/critic, or None when there is none."""
     path = os.path.join(checkpoint, "critic")
     if not os.path.exists(os.path.join(path, "value_head.pt")):
         return None
@@ -93,49 +92,8 @@ def last_checkpoint(out: str) -> str | None:
     return None
 
 
-def truncate_jsonl(path: str, last_iteration: int):
-    """Drop the rows written after the checkpoint, so a resumed run neither repeats nor skips one."""
-    if os.path.exists(path):
-        rows = [line for line in open(path)
-                if complete_row(line) and json.loads(line)["iteration"] <= last_iteration]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(rows)
-        os.replace(path + ".tmp", path)
-
-
-def complete_row(line: str) -> bool:
-    """False for a line torn by a kill in the middle of its write."""
-    try:
-        return isinstance(json.loads(line), dict)
-    except json.JSONDecodeError:
-        return False
-
-
-def rng_state() -> dict:
-    """This process's random streams; CUDA: its own device only (touching every GPU from every
-    process of a torchrun job would open a context on each)."""
-    cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
-    return {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda}
-
-
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state(state["cuda"][0])
-
-
-# ---- a run's start and its checkpoints (what --resume needs to continue exactly) ----
-
-# what a resumed run cannot change: its models, data and what the reference was made from
-RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "arith_steps", "arith_slip",
-                     "sft_steps", "sft_lr", "sft_batch")
-RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
-
-
 def find_resume(cfg) -> tuple[str | None, dict | None]:
-    """With --resume: the last complete checkpoint in --out and its trainer state, checked against
-    the settings a run cannot change midway. (None, None) for a fresh start."""
+    """--resume: the last complete checkpoint and its state, checked; (None, None) for a fresh start."""
     if not cfg.resume:
         return None, None
     path = last_checkpoint(cfg.out)
@@ -161,15 +119,15 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
 
 
 def save_training_state(cfg, iteration: int, tok, policy, critic):
-    """Checkpoint the run after `iteration`: weights, optimizers, schedules and every process's
-    random state. policy, critic: ppo.Learner (critic may be None). Called on every process
-    (sharded states are gathered); the first one writes."""
+    """Checkpoint weights, optimizers, schedules and random streams; called on every process, one writes."""
     learners = [policy] + ([critic] if critic is not None else [])
     optimizers = [{"optimizer": parallel.optimizer_state(learner.model, learner.optimizer),
                    "scheduler": learner.scheduler.state_dict()} for learner in learners]
     policy_weights = parallel.full_state_dict(policy.model)
     critic_weights = parallel.full_state_dict(critic.model) if critic is not None else None
-    rngs = parallel.gather(rng_state())
+    # CUDA: this process's device only (touching every GPU from every process would open a context on each)
+    cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
+    rngs = parallel.gather({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda})
     if parallel.rank() == 0:
         state = {"iteration": iteration, "config": dataclasses.asdict(cfg), "optimizers": optimizers,
                  "rng": rngs}
@@ -178,9 +136,7 @@ def save_training_state(cfg, iteration: int, tok, policy, critic):
 
 
 def restore_training_state(cfg, state: dict | None, learners: list) -> int | None:
-    """The last iteration done, None for a fresh run (whose metrics/samples files start empty).
-    On resume: optimizer and schedule states, this process's random streams, and the files cut
-    back to the checkpoint."""
+    """The last iteration done (None: a fresh run); on resume, the states restored and files cut back."""
     paths = [os.path.join(cfg.out, name) for name in ("metrics.jsonl", "samples.jsonl")]
     if state is None:
         if parallel.rank() == 0:
@@ -191,12 +147,29 @@ def restore_training_state(cfg, state: dict | None, learners: list) -> int | Non
         parallel.load_optimizer_state(learner.model, learner.optimizer, saved["optimizer"])
         learner.scheduler.load_state_dict(saved["scheduler"])
     if len(state["rng"]) == parallel.world_size():  # one random state per process
-        set_rng_state(state["rng"][parallel.rank()])
+        rng = state["rng"][parallel.rank()]
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"]:
+            torch.cuda.set_rng_state(rng["cuda"][0])
     else:
         tqdm.write(f"--resume: written by {len(state['rng'])} processes, now {parallel.world_size()}: "
                    "random streams reseeded")
         torch.manual_seed(cfg.seed + parallel.rank() + 1000 * (state["iteration"] + 1))
     if parallel.rank() == 0:
-        for path in paths:
-            truncate_jsonl(path, state["iteration"])
+        for path in filter(os.path.exists, paths):
+            with open(path) as f:
+                rows = [line for line in f if complete_row(line, state["iteration"])]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(rows)
+            os.replace(path + ".tmp", path)
     return state["iteration"]
+
+
+def complete_row(line: str, last_iteration: int) -> bool:
+    """A row up to the checkpoint, not torn by a kill: a resumed run neither repeats nor skips one."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(row, dict) and row["iteration"] <= last_iteration

@@ -1,21 +1,14 @@
-"""KV-cache prefix forking: VinePPO's environment reset.
-
-A text environment can be reset to any prefix (VinePPO §3). Here that reset costs one copy:
-the forward pass over whole trajectories already holds the keys/values of every prefix, so a
-state is forked by copying that cache up to the state's boundary, K times, into buffers with
-room for the continuation, and decoding on from there (rollout.sample). Many states of many
-trajectories are forked together: their prefixes are right-aligned (left padding inside the
-cache), the attention mask hides the padding, and `generate` derives positions from the mask.
-"""
+"""KV-cache prefix forking, VinePPO's environment reset (§3): the pass over whole trajectories holds every
+prefix's keys/values, so a state is forked by copying them, K times, into buffers with room to decode on."""
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+FORK_METHODS = ("copy", "gather")
+
 
 class PreallocatedLayer(DynamicLayer):
-    """A cache layer whose keys/values live in buffers sized for the whole generation: each
-    decoding step writes its column in place. (DynamicLayer re-allocates the whole cache with
-    torch.cat at every step, which dominated the time of large forked batches.)"""
+    """Cache buffers sized for the whole generation, written in place (DynamicLayer's torch.cat was slow)."""
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
         super().__init__()
@@ -32,18 +25,10 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-FORK_METHODS = ("copy", "gather")
-
-
 def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
          method: str = "copy"):
-    """Reset the environment to each prefix, k times: prefix j is row rows[j] of the batch whose
-    forward pass made `cache`. Returns left-padded ids [n*k, W], their attention mask, and a cache
-    holding the keys/values of the first W-1 columns (right-aligned; padding columns zero and
-    masked) in buffers of one dtype (fork_dtype) with room for new_tokens more. The last column
-    is left out of the cache: `generate` feeds it to get the first new logits. method: "copy"
-    (block copies per row, fast on a CPU) or "gather" (one indexed read per tensor, for GPUs);
-    the two give equal buffers."""
+    """Reset to each prefix (row rows[j] of `cache`) k times: left-padded ids [n*k, W], mask, and a cache of
+    W-1 columns (`generate` feeds the last), by "copy" (CPU) or "gather" (GPU): the same buffers."""
     assert method in FORK_METHODS, method
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     ends = [len(p) for p in prefixes for _ in range(k)]
@@ -53,50 +38,24 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
         ids[j * k:(j + 1) * k, width - len(p):] = torch.tensor(p, device=device)
     starts = width - torch.tensor(ends, device=device)[:, None]  # first column of each prefix
     mask = (torch.arange(width, device=device)[None, :] >= starts).long()
-    dtype = fork_dtype(cache.layers[0].values)
-    if method == "gather":
-        index = gather_index(sources, ends, width, new_tokens, device)
-        make_buffer = lambda x: gathered_rows(x, *index, dtype)
-    else:
-        make_buffer = lambda x: copied_rows(x, sources, ends, width - 1 + new_tokens, dtype)
+    capacity, autocast_on = width - 1 + new_tokens, torch.is_autocast_enabled(device.type)
+    # one dtype for keys and values: autocast's when on (attention casts both to it anyway), else the cache's
+    dtype = torch.get_autocast_dtype(device.type) if autocast_on else cache.layers[0].values.dtype
+    cols = torch.arange(capacity, device=device)[None, :] - starts  # fork i's column c reads c - starts[i]
+    source_rows = torch.tensor(sources, device=device)[:, None, None]
+
+    def buffer(x):  # [n*k, H, capacity, D]: each fork's columns of x, zeros before them (masked, but finite)
+        if method == "gather":  # one indexed read and one fill: a few large GPU kernels per layer
+            heads = torch.arange(x.shape[1], device=device)[None, :, None]
+            buf = x[source_rows, heads, cols.clamp(0, x.shape[2] - 1)[:, None, :]].to(dtype)
+            return buf.masked_fill_((cols < 0)[:, None, :, None], 0)
+        buf = x.new_empty(len(ends), x.shape[1], capacity, x.shape[3], dtype=dtype)
+        for i, (row, e) in enumerate(zip(sources, ends)):  # block copies: on a CPU far faster than a gather
+            buf[i, :, : width - e] = 0  # 0 * NaN would leak through the mask
+            buf[i, :, width - e: width - 1] = x[row, :, : e - 1]
+        return buf
+
     forked = DynamicCache()
     for keys, values, *_ in cache:  # each [B, H, L, D]
-        forked.layers.append(PreallocatedLayer(make_buffer(keys), make_buffer(values), width - 1))
+        forked.layers.append(PreallocatedLayer(buffer(keys), buffer(values), width - 1))
     return ids, mask, forked
-
-
-def fork_dtype(values: torch.Tensor) -> torch.dtype:
-    """One dtype for keys and values: the autocast dtype when autocast is on (the keys leave RoPE
-    in fp32, the values bf16, and attention casts both to bf16 at every step: a bf16 copy holds
-    what is used, in 2/3 of the memory), else the cache's own."""
-    device_type = values.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else values.dtype
-
-
-def copied_rows(x, sources: list[int], ends: list[int], capacity: int, dtype) -> torch.Tensor:
-    """Buffer [n, H, capacity, D]: row i holds the first ends[i]-1 columns of x[sources[i]],
-    ending at column W-1 (W = max(ends)), zeros before them; the columns after are left unset."""
-    width = max(ends)
-    buf = x.new_empty(len(ends), x.shape[1], capacity, x.shape[3], dtype=dtype)
-    for i, (row, e) in enumerate(zip(sources, ends)):  # block copies: on a CPU far faster than a gather
-        buf[i, :, : width - e] = 0  # masked, but must be finite (0 * NaN would leak through)
-        buf[i, :, width - e: width - 1] = x[row, :, : e - 1]
-    return buf
-
-
-def gather_index(sources: list[int], ends: list[int], width: int, new_tokens: int, device):
-    """Where each buffer column reads from, for gathered_rows: the source rows [n, 1, 1] and columns
-    [n, 1, W-1+new] (column c of fork i reads column c - (W - ends[i]) of its row), and which
-    columns are left padding [n, 1, W-1+new, 1]."""
-    shift = width - torch.tensor(ends, device=device)[:, None]
-    cols = torch.arange(width - 1 + new_tokens, device=device)[None, :] - shift
-    rows = torch.tensor(sources, device=device)[:, None, None]
-    return rows, cols[:, None, :], (cols < 0)[:, None, :, None]
-
-
-def gathered_rows(x, rows, cols, padding, dtype) -> torch.Tensor:
-    """copied_rows' buffer in one indexed read of x [B, H, L, D] and one fill: a few large GPU
-    kernels per layer where the copies are several small ones per row."""
-    heads = torch.arange(x.shape[1], device=x.device)[None, :, None]
-    buf = x[rows, heads, cols.clamp(0, x.shape[2] - 1)].to(dtype)  # [n, H, W-1+new, D]
-    return buf.masked_fill_(padding, 0)  # left padding: masked, but must be finite

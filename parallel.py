@@ -1,8 +1,4 @@
-"""Several processes under torchrun, with PyTorch's own engines: each process samples its share
-of the prompts, and the update runs under DistributedDataParallel (gradients averaged at every
-backward) or, with --fsdp, FSDP2's fully_shard (weights, gradients and AdamW states sharded).
-In a single process every function here is the identity or a plain call.
-"""
+"""Several processes under torchrun (DDP, or FSDP2 with --fsdp); in one process, identities and plain calls."""
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -10,23 +6,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 
 def init(device: torch.device):
-    """(rank, world size, device) of this process; joins the process group when torchrun started it
-    (NCCL and one GPU per process, or gloo on CPUs)."""
+    """(rank, world size, device); under torchrun, joins the process group (NCCL on GPUs, else gloo)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-        # While the first process writes a checkpoint (~26 GB for PPO at 1.1B: fp32 weights and AdamW
-        # states of policy and critic), the others wait in their next collective; NCCL's default
-        # timeout, 10 minutes, would end the run on a slow disk. One hour is ~7 MB/s.
+        # others wait while the first writes a checkpoint (~26 GB for PPO at 1.1B): 10 minutes can be too few
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=60),
                                 device_id=device if device.type == "cuda" else None)
     return rank, world, device
@@ -51,14 +43,12 @@ def barrier():
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over processes, in place."""
     if dist.is_initialized():
         dist.all_reduce(t)
     return t
 
 
 def gather(obj) -> list:
-    """Every process's obj, on every process."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
@@ -67,9 +57,7 @@ def gather(obj) -> list:
 
 
 def merge_metrics(rows: list[tuple[dict, dict, dict]]) -> dict:
-    """One metrics row from every process's (counts, means, times), as gather() returns them:
-    counts summed, means averaged (every process holds an equal share of the episodes), times of
-    the slowest process. A metric's kind is the dict it is in, so none is averaged by mistake."""
+    """One metrics row from every process's (counts, means, times): summed, averaged, the slowest's."""
     counts, means, times = rows[0]
     merged = {k: sum(r[0][k] for r in rows) for k in counts}
     for k in means:
@@ -80,8 +68,7 @@ def merge_metrics(rows: list[tuple[dict, dict, dict]]) -> dict:
 
 
 def wrap(model, fsdp: bool, device):
-    """The module the update calls: DDP around the model, or (fsdp) the model itself, sharded in
-    place one decoder layer at a time and then the rest. Build optimizers after this."""
+    """What the update calls: DDP around the model, or the model sharded in place (fsdp); optimizers after."""
     if not dist.is_initialized() or isinstance(model, FSDPModule):
         return model
     if not fsdp:
@@ -95,8 +82,7 @@ def wrap(model, fsdp: bool, device):
 
 @contextmanager
 def whole(*models):
-    """FSDP: hold the full weights while processes run different numbers of forward passes
-    (sampling, MC values): sharded modules would wait on each other's all-gathers."""
+    """FSDP: full weights while processes run different numbers of forward passes (no all-gathers)."""
     shards = [m for model in models if model is not None for m in model.modules() if isinstance(m, FSDPModule)]
     for m in shards:
         m.unshard()

@@ -1,12 +1,7 @@
-"""The PPO update shared by every method here (clipped surrogate, k3 KL to a reference,
-whitening) and the advantage estimators that differ between them: GAE for a critic, group
-normalisation for GRPO. VinePPO's Monte Carlo advantages are in vine.py.
-
-Shapes: every tensor is [B, L-1], aligned with the actions: position t holds the log-prob,
-advantage, ... of token t+1 (reference pitfall 6); `mask` is 1 on response tokens.
-"""
+"""The PPO update every method shares (clipped surrogate, k3 KL, whitening) and the advantages that differ:
+GAE for a critic, group normalisation for GRPO, VinePPO's MC values (vine.py). Tensors are [B, L-1],
+aligned with the actions: position t holds token t+1's log-prob, advantage, ... (reference pitfall 6)."""
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -20,9 +15,7 @@ def masked_mean(x, mask, dim=None):
 
 
 def masked_whiten(x, mask, eps: float = 1e-8, all_reduce=lambda t: t):
-    """(x - mean) / sqrt(var + eps) over the masked entries, unbiased variance (reference §2.6).
-    all_reduce sums a tensor over processes, so that several processes whiten their shares of
-    one minibatch with its global statistics (as the reference does across GPUs)."""
+    """(x - mean) / sqrt(var + eps) over the masked entries of all processes (reference §2.6), unbiased var."""
     total, n = all_reduce(torch.stack([(x * mask).sum(), mask.sum()]))
     mean = total / n.clamp(min=1)
     var = all_reduce(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
@@ -30,17 +23,12 @@ def masked_whiten(x, mask, eps: float = 1e-8, all_reduce=lambda t: t):
 
 
 def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
-    """Generalized advantage estimation (Schulman et al. 2016, eq. 16); all [B, T] and
-    right-padded. values[:, t] = V(s_t), the state before action t; the value after the last
-    action is 0 (terminal):
-        delta_t = r_t + gamma V(s_{t+1}) - V(s_t),   A_t = delta_t + gamma lam A_{t+1}
-    With gamma = lam = 1 and the reward R on the last token, A_t = R - V(s_t).
-    Returns (advantages, returns = advantages + values, the critic's regression target)."""
+    """GAE (Schulman et al. 2016, eq. 16) on [B, T], V(s_T) = 0: -> (advantages, returns = A + V)
+        delta_t = r_t + gamma V(s_{t+1}) - V(s_t),   A_t = delta_t + gamma lam A_{t+1}"""
     values = values * mask
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
     deltas = (rewards + gamma * next_values - values) * mask
-    adv = torch.zeros_like(values)
-    running = torch.zeros_like(values[:, 0])
+    adv, running = torch.zeros_like(values), torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
         running = deltas[:, t] + gamma * lam * running * mask[:, t]
         adv[:, t] = running
@@ -48,8 +36,7 @@ def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-6):
-    """GRPO (Shao et al. 2024, §4.1.2): A = (R - mean of its group) / (std of its group + eps),
-    one scalar per response, the group being the samples of one prompt. rewards, group: [N]."""
+    """GRPO (Shao et al. 2024, §4.1.2): A = (R - mean of its group) / (std of its group + eps); [N]."""
     adv = torch.empty_like(rewards)
     for g in group.unique():
         r = rewards[group == g]
@@ -64,31 +51,24 @@ def explained_variance(values, returns, mask) -> float:
 
 
 def k3_kl(logp, ref_logp):
-    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1, d = ref - logp.
-    Unbiased for samples from pi, always >= 0."""
+    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1, d = ref - logp (>= 0)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
 
 def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: float = 1e-4,
              max_ratio: float = 10.0):
-    """Clipped PPO objective (Schulman et al. 2017, eq. 7) as a token-level masked mean, plus the
-    KL penalty inside the loss (VinePPO §5 / reference §2.5):
-
+    """Clipped PPO (Schulman et al. 2017, eq. 7) plus the KL penalty (VinePPO §5), r_t = pi / pi_old:
         L = mean_t max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps)) + beta * mean_seq sum_t clamp(k3_t, 0, 10)
-
-    with r_t = pi(a_t|s_t) / pi_old(a_t|s_t). When the mean ratio exceeds max_ratio the batch is
-    skipped (loss x 0), as the reference does. Returns (loss, stats)."""
+    A batch whose mean ratio exceeds max_ratio is skipped (loss x 0), as in the reference. -> (loss, stats)"""
     log_ratio = (logp - old_logp) * mask
     ratio = torch.exp(log_ratio)
-    pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip))
-    pg_loss = masked_mean(pg, mask)
+    pg_loss = masked_mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)), mask)
     kl = (k3_kl(logp, ref_logp) * mask).clamp(0, 10).sum(-1).mean()
     loss = pg_loss + kl_coef * kl
     mean_ratio = masked_mean(ratio, mask)
     skipped = bool(mean_ratio > max_ratio)
-    if skipped:
-        loss = loss * 0.0
+    loss = loss * 0.0 if skipped else loss
     with torch.no_grad():
         stats = {"policy_loss": pg_loss.item(), "kl": kl.item(), "ratio": mean_ratio.item(),
                  "clipfrac": masked_mean(((ratio - 1).abs() > clip).float(), mask).item(),
@@ -96,10 +76,8 @@ def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: fl
     return loss, stats
 
 
-# ---- the advantage of every response token, for the four methods (README table) ----
-
 def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic: float) -> dict:
-    """Set ep.advantages ([T] per episode) and, for a critic, ep.returns; returns diagnostics."""
+    """Set ep.advantages ([T]) as `algo` computes them and, for a critic, ep.returns; returns diagnostics."""
     rewards = torch.tensor([ep.reward for ep in episodes])
     if algo == "vineppo":  # step advantages broadcast to the step's tokens (VinePPO §4)
         for ep in episodes:
@@ -112,7 +90,9 @@ def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic:
             ep.advantages = torch.full((len(ep.response_ids),), a.item())
         return {}
     # ppo / tppo: GAE on the critic's values, the reward on the last token
-    values, mask = padded([ep.old_values for ep in episodes])  # [N, T]
+    pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [N, T], right-padded
+    values = pad([ep.old_values for ep in episodes])
+    mask = pad([torch.ones(len(ep.old_values)) for ep in episodes])
     last = mask.sum(1).long() - 1
     token_rewards = torch.zeros_like(values).index_put_((torch.arange(len(episodes)), last), rewards)
     adv, _ = gae(token_rewards, values, mask, gamma, lam)
@@ -122,32 +102,29 @@ def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic:
     return {"explained_variance": explained_variance(values, returns, mask)}
 
 
-# ---- the update: epochs over shuffled minibatches, micro-batches accumulated ----
-
-@dataclass
 class Learner:
-    """A model the update trains, with the AdamW state and LR schedule it keeps across iterations."""
-    model: torch.nn.Module      # the weights (saved, evaluated)
-    module: torch.nn.Module     # what the update calls: a DDP wrapper under torchrun, else the model
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    """A trained model, with the AdamW state and LR schedule it keeps across iterations (ref. pitfall 12)."""
+
+    def __init__(self, model, lr: float, total_steps: int, warmup_steps: int, fsdp: bool, device):
+        self.model = model  # the weights (saved, evaluated)
+        self.module = parallel.wrap(model, fsdp, device)  # what the update calls (DDP); FSDP: before AdamW
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                                           weight_decay=0.0)
+        schedule = lambda step: lr_factor(step, total_steps, warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
 
-def make_learner(model, lr: float, total_steps: int, warmup_steps: int, fsdp: bool, device) -> Learner:
-    module = parallel.wrap(model, fsdp, device)  # before the optimizer: FSDP replaces the parameters
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(step, total_steps, warmup_steps))
-    return Learner(model, module, optim, schedule)
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """DeepSpeed's WarmupDecayLR (the reference's): log-shaped warm-up over >= 2 steps, linear decay to 0."""
+    if step < warmup:
+        return math.log(step + 1) / math.log(max(2, warmup))
+    return max(0.0, (total - step) / max(1, total - warmup))
 
 
 def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int, minibatch: int,
                micro_batch: int, temperature: float, clip: float, kl_coef: float, value_clip: float,
                move_policy: bool, whiten: bool, pad_id: int, device, autocast) -> dict:
-    """--epochs passes over the episodes in shuffled minibatches of `minibatch` (this process's
-    share), each one optimizer step per learner; with `whiten`, advantages are whitened per
-    minibatch (reference §2.6). The critic takes its own step on the same minibatch; with
-    move_policy False only it learns. Models are in training mode (dropout) here only.
-    Returns the means of the loss statistics, the policy's mean gradient norm and the skip count."""
+    """`epochs` passes over shuffled minibatches, a step per minibatch and learner; returns mean statistics."""
     policy_stats, critic_stats, grad_norms, nonfinite = [], [], [], 0
     learners = [policy] + ([critic] if critic is not None else [])
     for learner in learners:
@@ -174,7 +151,7 @@ def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int
                     loss, stats = critic.model.loss(out, micro["val"], micro["ret"], micro["reward"],
                                                     micro["act"], value_clip)
                     nonfinite += backward_if_finite(loss * share, stats, critic_stats)
-            for learner in ([policy] if move_policy else []) + ([critic] if critic is not None else []):
+            for learner in learners if move_policy else learners[1:]:  # --critic-warmup: the critic only
                 norm = optimizer_step(learner.model, learner.optimizer, learner.scheduler)
                 nonfinite += norm is None
                 if learner is policy and norm is not None:
@@ -185,16 +162,12 @@ def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int
     out = {k: mean(policy_stats, k) for k in ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio")
            if policy_stats}
     out.update({k: mean(critic_stats, k) for k in ("value_loss", "value_clipfrac") if critic_stats})
-    out["skipped_batches"] = int(sum(s["skipped"] for s in policy_stats))
-    out["nonfinite_skips"] = nonfinite
-    out["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
-    return out
+    return {**out, "skipped_batches": int(sum(s["skipped"] for s in policy_stats)),
+            "nonfinite_skips": nonfinite, "grad_norm": sum(grad_norms) / max(1, len(grad_norms))}
 
 
 def backward_if_finite(loss, stats: dict, into: list) -> bool:
-    """Backward of one micro-batch's loss, unless it is not finite (it would corrupt the weights):
-    then returns True and drops its stats. Under DDP every process must take part in every
-    backward, so it runs anyway, and the NaN gradient norm skips the step on all processes."""
+    """Backward of a finite loss (its stats kept), else True; under DDP it runs: a NaN norm skips the step."""
     finite = bool(torch.isfinite(loss))
     if finite:
         into.append(stats)
@@ -204,8 +177,7 @@ def backward_if_finite(loss, stats: dict, into: list) -> bool:
 
 
 def collate(episodes, pad_id, device):
-    """Right-padded ids [B, L], attention mask, and [B, L-1] action-aligned tensors: action mask
-    "act" and the episodes' per-token arrays (old/ref log-probs, advantages, critic values, returns)."""
+    """Padded ids [B, L], mask, and [B, L-1] action mask "act" and per-token arrays of the episodes."""
     ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id, device)
     names = {"old": "old_logp", "ref": "ref_logp", "adv": "advantages", "val": "old_values", "ret": "returns"}
     out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ["act", *names]}
@@ -220,24 +192,8 @@ def collate(episodes, pad_id, device):
     return ids, mask, out
 
 
-def padded(rows: list[torch.Tensor]):
-    """[N, T] right-padded stack of 1-D tensors and its mask."""
-    mask = [torch.ones(len(r)) for r in rows]
-    pad = torch.nn.utils.rnn.pad_sequence
-    return pad(rows, batch_first=True), pad(mask, batch_first=True)
-
-
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    """DeepSpeed WarmupDecayLR as the reference runs it: log-shaped warm-up, then linear decay to 0.
-    Like DeepSpeed, the log's denominator counts at least 2 steps (a 1-step warm-up would be 0/0)."""
-    if step < warmup:
-        return math.log(step + 1) / math.log(max(2, warmup))
-    return max(0.0, (total - step) / max(1, total - warmup))
-
-
 def optimizer_step(model, optim, scheduler, max_norm: float = 1.0) -> float | None:
-    """Clip the gradient norm to max_norm and step. A non-finite gradient skips the step and
-    keeps the weights as they were; returns the norm, or None when skipped."""
+    """Clip the gradient norm and step; the norm, or None when it is not finite and the step is skipped."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
     if math.isfinite(norm):
         optim.step()

@@ -1,17 +1,10 @@
-"""Tasks: problems in GSM8K's format and their verifiable rewards.
-
-A problem is a dict {"question": str, "answer": str} whose answer ends in "#### N", as in
-GSM8K, and its "prompt" text once loaded. Two sources share every line of code after loading:
-  - "gsm8k" (the hub dataset openai/gsm8k) or a local .jsonl file in the same format;
-  - "arith", the built-in offline task: a chain of additions and subtractions solved one
-    line per step.
-"""
+"""GSM8K-format problems ("answer" ends in "#### N") from the hub, a .jsonl file or the built-in "arith"."""
 import json
 import random
 import re
 
 PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the reference's prompt, no trailing space
-ARITH_PROMPT = "{question}\n"  # the built-in task's: the tiny model has no use for 35 characters of template
+ARITH_PROMPT = "{question}\n"  # the built-in task's: a tiny model has no use for 35 characters of template
 STOP = "\n\n\nProblem:"  # the reference stops generation here: the model has begun inventing a next problem
 
 
@@ -20,24 +13,16 @@ class DataError(ValueError):
 
 
 def first_line(e: Exception) -> str:
-    """An exception in one line, for DataError messages (some hub errors span several)."""
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
-# ---- grading (reference: tasks/gsm8k.py, use_original_format=True) --------------------------
-
 def extract_answer(text: str) -> str | None:
-    """Everything after the last '####', stripped; None when there is no '####'."""
-    if "####" not in text:
-        return None
-    return text.split("####")[-1].strip()
+    """Everything after the last '####', stripped; None when there is no '####' (reference: tasks/gsm8k.py)."""
+    return text.split("####")[-1].strip() if "####" in text else None
 
 
 def gsm8k_reward(completion: str, gold_answer: str) -> float:
-    """1.0 iff the predicted answer equals the gold one as strings (thousands separators removed,
-    case ignored); 0.0 otherwise, and for a missing answer. No float parsing and never `eval`:
-    '72.0', '$72' and '72 apples' are all wrong, as in the reference.
-    `gold_answer` may be the full GSM8K answer field (with '#### N') or the bare number."""
+    """1.0 iff the answers match as strings bar commas and case ('72.0', '$72' score 0, as in the reference)."""
     gold = extract_answer(gold_answer)
     gold = gold_answer.strip() if gold is None else gold
     pred = extract_answer(completion)
@@ -53,20 +38,13 @@ def sft_target(answer: str) -> str:
     return "\n" + re.sub(r"<<[^>]*>>", "", answer) + "\n"
 
 
-# ---- the built-in task: chains of additions and subtractions ----------------------------------
-
 def arith_problem(rng: random.Random, min_steps: int, max_steps: int, slip: float = 0.0) -> dict:
-    """'What is 7+2-5?' -> '7+2=9\n9-5=4\n#### 4': one line per operation, so an early slip makes
-    the answer wrong. Every running total is a single digit (0-9), so a tiny model learns the
-    arithmetic fast; the number of steps sets the difficulty. 'demonstration' is the worked
-    solution used for SFT: with probability `slip` a line's result is off by one and the chain
-    goes on from there, like a careless human demonstrator. Grading always uses the correct
-    'answer', so RL has careless steps to find and remove."""
+    """'What is 7+2-5?' -> '7+2=9\n9-5=4\n#### 4'; every running total a single digit, so a tiny model
+    learns the arithmetic fast. The SFT 'demonstration' slips by one with p = slip and goes on from there."""
     total = sloppy = rng.randint(0, 9)
     question, lines, demo = str(total), [], []
     for _ in range(rng.randint(min_steps, max_steps)):
-        # an operation that keeps both totals in 0-9; one exists while they differ by at most 8,
-        # so chains have at most 8 steps
+        # an operation that keeps both totals in 0-9: one exists while they differ by at most 8 (<= 8 steps)
         sign, x = rng.choice([(sign, x) for sign in "+-" for x in range(1, 10)
                               if all(0 <= apply(t, sign, x) <= 9 for t in (total, sloppy))])
         question += f"{sign}{x}"
@@ -89,10 +67,7 @@ def arith_dataset(n: int, seed: int, steps: tuple[int, int] = (2, 5), slip: floa
     return [arith_problem(rng, *steps, slip) for _ in range(n)]
 
 
-# ---- loading ----------------------------------------------------------------------------------
-
 def check_problem(row, where: str) -> dict:
-    """A problem must have string 'question' and 'answer' fields, the answer ending in '#### N'."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object with 'question' and 'answer', "
                         f"got {type(row).__name__}")
@@ -105,7 +80,6 @@ def check_problem(row, where: str) -> dict:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """Problems from a GSM8K-format .jsonl file, with errors that name the line."""
     try:
         with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is accepted
             lines = f.readlines()
@@ -126,9 +100,8 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def load_problems(data: str, split: str, steps: tuple[int, int] = (2, 5), slip: float = 0.0) -> list[dict]:
-    """'arith' (2000 problems per split, the same for every --seed, as a real dataset's) | 'gsm8k'
-    (hub dataset openai/gsm8k, config 'main') | a path to a .jsonl file (the split is ignored). Each
-    problem gets its 'prompt' text: the reference's template, or the built-in task's short one."""
+    """'arith' (2000 problems a split, the same for every seed) | 'gsm8k' (openai/gsm8k) | a .jsonl file
+    (any split); each problem with its prompt text: the reference's template, or the built-in task's."""
     if data == "arith":
         problems = arith_dataset(2000, seed=0 if split == "train" else 10_000, steps=steps, slip=slip)
     elif data.endswith(".jsonl"):
@@ -149,8 +122,7 @@ def load_problems(data: str, split: str, steps: tuple[int, int] = (2, 5), slip: 
 
 
 def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world: int = 1) -> list[dict]:
-    """n problems drawn with `seed` (the same in every process), and this process's share of them.
-    The shares are equal (n rounded down to a multiple of world), so that DDP runs in step."""
+    """This process's equal share of n problems drawn with `seed` (the same in every process)."""
     picked = random.Random(seed).sample(range(len(problems)), min(n, len(problems) // world * world))
     return [problems[i] for i in picked[rank::world]]
 
@@ -162,12 +134,8 @@ def encode_prompt(tok, prompt: str) -> list[int]:
 
 
 def sft_example(tok, prompt: str, answer: str) -> tuple[list[int], int]:
-    """One SFT sequence, encode_prompt's ids + the response's ids + EOS (reference §3.3), and the
-    number of prompt ids. The response is tokenized as it follows the prompt, prompt and target
-    as one text: tokenized alone, a SentencePiece tokenizer would start it with a '▁' token that
-    the model never samples after 'Solution:'. If that joint tokenization does not split at the
-    prompt's end (a token such as ':\\n' in byte-level BPE spans it), the target is tokenized
-    alone, which for those tokenizers adds no prefix."""
+    """(prompt + response + EOS ids, prompt length) (reference §3.3), the response tokenized after the
+    prompt (alone, SentencePiece would start it with a '▁'), or alone where the two merge (BPE)."""
     prompt_ids, target = encode_prompt(tok, prompt), sft_target(answer)
     prompt_text_ids = prompt_ids[1:] if tok.bos_token_id is not None else prompt_ids
     joint = tok(prompt + target, add_special_tokens=False).input_ids

@@ -1,14 +1,15 @@
-"""Sampling with HF `generate` from forks of a KV cache (kv_fork.py), per-token log-probs, the
-reference's stop rule and token budgets, and the batching of forward passes.
-"""
+"""Sampling from forks of a KV cache (kv_fork.py), per-token log-probs, the stop rule, forward batching."""
 import json
 import os
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 import parallel
 from kv_fork import fork
+
+LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax: at a 32k vocabulary, 128 MiB per fp32 copy
 
 
 @dataclass
@@ -35,33 +36,21 @@ def pad_id(tok) -> int:
 
 
 def pad_right(seqs: list[list[int]], pad_id: int, device=None):
-    """Right-padded [B, L] ids and attention mask."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    lengths = torch.tensor([len(s) for s in seqs])
-    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
     return ids.to(device), mask.to(device)
 
 
-LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax: at a 32k vocabulary, 128 MiB per fp32 copy
-
-
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
-    """log pi(x_{t+1} | x_<=t) for t = 0..L-2: [B, L-1]. Logits are divided by the sampling
-    temperature, because the policy that sampled was softmax(logits / T) (reference §2.3).
-    With keep_cache, also returns the KV cache of this pass, for forking."""
+    """log pi(x_{t+1} | x_<=t) [B, L-1] under softmax(logits / T), the sampler (reference §2.3); the cache."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
     logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
     return logp, (out.cache if keep_cache else None)
 
 
 def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
-    """log_softmax(logits / T)[target] at every position: logits [B, N, V], targets [B, N] -> [B, N],
-    in at least fp32. A few positions at a time: upcast, division and log-softmax of the whole
-    logits held two fp32 copies of them at once (8.4 GB at a 32k vocabulary and a 32k-token pass,
-    beside the logits). The log-softmax is per position: chunks give the numbers of one pass."""
+    """log_softmax(logits / T)[target] in >= fp32, a few positions at a time (not two fp32 copies of all)."""
     step = max(1, chunk_tokens // logits.shape[0])
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32 (float64 stays)
     pieces = []
@@ -71,41 +60,31 @@ def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOG
     return torch.cat(pieces, 1)
 
 
-def decode(model, ids, mask, forked, new_tokens: int, *, temperature: float, top_p: float, eos_id: int,
-           tokenizer=None, stop: str | None = None):
-    """HF `generate` on from fork()'s output: [n, new_tokens] new ids (temperature 0 = greedy).
-    A row also stops once its text reaches `stop` (HF's stop_strings, which needs the tokenizer).
-    Rows that stopped are filled with EOS, so every stopped row ends at its first EOS."""
+def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_method: str, pad_id: int, *,
+                    temperature: float, top_p: float, eos_id: int, tokenizer=None, stop: str | None = None):
+    """New ids of k forks of each prefix by HF `generate`; the fork buffers die on return (one batch alive)."""
+    ids, mask, forked = fork(cache, prefixes, rows, k, budget, pad_id, fork_method)
     # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
         else dict(do_sample=False)
     # synced_gpus=False: each process decodes on its own (with FSDP, HF would lock processes in step)
-    out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=new_tokens,
+    out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=budget,
                          eos_token_id=eos_id, pad_token_id=eos_id, stop_strings=stop, tokenizer=tokenizer,
                          synced_gpus=False, **sampling)
-    return out[:, ids.shape[1]:]
-
-
-def cut_at_stop(tokenizer, seq: list[int], stop: str, eos_id: int) -> list[int]:
-    """When the text of `seq` (EOS aside) holds `stop`: the tokens before the one where `stop`
-    starts, then EOS, as the reference (§3.4) excludes the stop text from the output and appends
-    EOS to a response that stopped on it. Otherwise `seq` unchanged. HF stops a row at the token
-    that completes `stop`, so `stop` lies in the last len(stop) tokens (each adds >= 1 character)."""
-    body = seq[:-1] if seq and seq[-1] == eos_id else seq
-    text = lambda lo: tokenizer.decode(body[lo:], skip_special_tokens=True)
-    if stop not in text(max(0, len(body) - len(stop))):
-        return seq
-    start = len(body) - 1
-    while stop not in text(start):  # the last token whose text, with what follows, holds `stop`
-        start -= 1
-    return body[:start] + [eos_id]
+    return out[:, ids.shape[1]:].tolist()
 
 
 def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str | None = None):
-    """A generated row -> (continuation, finished): cut after its first EOS, to its budget and,
-    with `stop`, before the stop string. Finished: it ends with EOS (sampled or appended)."""
+    """(row cut after its first EOS, to its budget, and before `stop` then EOS (reference §3.4), ends in EOS).
+    HF stops at the token completing `stop`: it lies in the last len(stop) tokens (each adds >= 1 char)."""
     seq = (seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)[:budget]
-    seq = cut_at_stop(tokenizer, seq, stop, eos_id) if stop else seq
+    body = seq[:-1] if seq and seq[-1] == eos_id else seq
+    text = lambda lo: tokenizer.decode(body[lo:], skip_special_tokens=True)
+    if stop and stop in text(max(0, len(body) - len(stop))):
+        start = len(body) - 1
+        while stop not in text(start):  # the last token whose text, with what follows, holds `stop`
+            start -= 1
+        seq = body[:start] + [eos_id]
     return seq, bool(seq) and seq[-1] == eos_id
 
 
@@ -113,25 +92,13 @@ def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str |
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temperature: float,
            top_p: float, eos_id: int, pad_id: int, cache=None, rows: list[int] | None = None,
            max_batch_tokens: int = 65536, tokenizer=None, stop: str | None = None, fork_method: str = "copy"):
-    """k continuations of every prefix, sampled with HF `generate` (temperature 0 = greedy).
-
-    `cache` is the KV cache of a forward pass over a right-padded batch whose row rows[j]
-    starts with prefixes[j]; without one, the prefixes are encoded here, once each, not once
-    per sample. Continuation j may use at most min(budgets[j], context - len(prefixes[j])) new
-    tokens (reference §1.1: max_tokens = min(1024, context - prompt tokens)), the context being
-    model.config.max_position_embeddings. Prefixes are decoded together in batches of at most
-    max_batch_tokens (rows x (prefix + budget)), forked with fork_method (see fork). With `stop`
-    (and its `tokenizer`), a continuation whose text reaches `stop` is cut before it and ends
-    with EOS (cut_at_stop).
-    Returns (continuations, finished): for each prefix, k lists of new ids (EOS kept) and k
-    flags, True when EOS or the stop string came within the budget."""
+    """k continuations and finished flags per prefix, forked from `cache` (row rows[j]) or encoded here."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
     budgets = [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
-    stopping = dict(tokenizer=tokenizer, stop=stop)
-    decoding = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, **stopping)
+    decoding = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, tokenizer=tokenizer, stop=stop)
     gen = dict(decoding, pad_id=pad_id, max_batch_tokens=max_batch_tokens, fork_method=fork_method)
     if cache is None:  # encode the prefixes, once each, in groups that fit the budget; then fork
         group = max(1, max_batch_tokens // (k * (max(map(len, prefixes)) + max(budgets))))
@@ -157,15 +124,14 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
         new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
                               fork_method, pad_id, **decoding) if budget > 0 else [[]] * (len(chunk) * k)
         for i, j in enumerate(chunk):
-            results = [finish(seq, budgets[j], eos_id, **stopping) for seq in new[i * k:(i + 1) * k]]
+            results = [finish(seq, budgets[j], eos_id, tokenizer, stop) for seq in new[i * k:(i + 1) * k]]
             conts[j], done[j] = [c for c, _ in results], [f for _, f in results]
     model.train(was_training)
     return conts, done
 
 
 def sample_episodes(model, problems: list[dict], k: int, grade, *, max_new_tokens: int, **gen) -> list[Episode]:
-    """k responses to each problem (prompt encoded once, then forked), graded: grade(response_ids,
-    episode) -> reward; a response that did not finish within max_new_tokens scores 0."""
+    """k responses to each problem, graded: grade(response_ids, episode) -> reward (0 if unfinished)."""
     conts, done = sample(model, [p["prompt_ids"] for p in problems], k, [max_new_tokens] * len(problems), **gen)
     episodes = [Episode(p["prompt_ids"], c, p["answer"], group, f)
                 for group, (p, cs, fs) in enumerate(zip(problems, conts, done)) for c, f in zip(cs, fs)]
@@ -185,17 +151,8 @@ def reference_logprobs(ref, episodes, *, temperature: float, pad_id: int, forwar
             ep.ref_logp = lp
 
 
-def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_method: str, pad_id: int,
-                    **decoding) -> list:
-    """New ids of k forks of each prefix, as lists. The fork buffers die on return, so that two
-    batches' buffers are never alive at once."""
-    ids, mask, forked = fork(cache, prefixes, rows, k, budget, pad_id, fork_method)
-    return decode(model, ids, mask, forked, budget, **decoding).tolist()
-
-
 def group_chunks(episodes, max_tokens: int):
-    """Consecutive episodes in batches of about max_tokens, never splitting one prompt's samples,
-    so that identical states (which only share a prompt) meet in one batch."""
+    """Episodes in batches of about max_tokens, never splitting a prompt's samples (identical states meet)."""
     chunk, width = [], 0
     for ep in episodes:
         length = len(ep.prompt_ids) + len(ep.response_ids)
@@ -209,25 +166,22 @@ def group_chunks(episodes, max_tokens: int):
 
 
 def per_response(logp, episodes):
-    """Row slices of a [B, L-1] tensor -> one [T] tensor per episode (its response tokens)."""
+    """Row slices of a [B, L-1] tensor: one [T] tensor per episode (its response tokens)."""
     return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
             for i, ep in enumerate(episodes)]
 
 
 def evaluate(policy, problems, cfg, tok, gen, grade, autocast, iteration: int) -> float:
-    """Held-out accuracy: the mean reward of --eval-samples samples per problem at --eval-temperature.
-    Each process samples a share of the problems; the counts are summed over processes."""
+    """Held-out accuracy: the mean reward of --eval-samples samples per problem; three go to samples.jsonl."""
     with autocast, parallel.whole(policy):
-        episodes = sample_episodes(policy, problems[parallel.rank()::parallel.world_size()],
-                                           cfg.eval_samples, grade, temperature=cfg.eval_temperature, **gen)
-    if parallel.rank() == 0:  # three examples per evaluation, for a reader of samples.jsonl
+        episodes = sample_episodes(policy, problems[parallel.rank()::parallel.world_size()], cfg.eval_samples,
+                                   grade, temperature=cfg.eval_temperature, **gen)
+    if parallel.rank() == 0:
         with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
             text = lambda ids: tok.decode(ids, skip_special_tokens=True)
             for ep in episodes[: 3 * cfg.eval_samples: cfg.eval_samples]:
-                f.write(json.dumps({"iteration": iteration, "prompt": text(ep.prompt_ids),
-                                    "response": text(ep.response_ids), "gold": ep.gold,
-                                    "reward": ep.reward}) + "\n")
-    device = next(policy.parameters()).device
-    correct, count = parallel.all_reduce_sum(torch.tensor([sum(ep.reward for ep in episodes), len(episodes)],
-                                                          dtype=torch.float64, device=device))
+                row = dict(iteration=iteration, prompt=text(ep.prompt_ids), response=text(ep.response_ids))
+                f.write(json.dumps({**row, "gold": ep.gold, "reward": ep.reward}) + "\n")
+    totals = torch.tensor([sum(ep.reward for ep in episodes), len(episodes)], dtype=torch.float64)
+    correct, count = parallel.all_reduce_sum(totals.to(next(policy.parameters()).device))
     return (correct / count).item()

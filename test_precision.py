@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import bench
 from test_vine import SMALL  # the tiny settings of test_vine's smoke runs
 import ppo
-import precision
+import start
 import kv_fork
 import rollout
 import value
@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 
 
 def bf16():
-    return precision.autocast(CPU, "bf16")
+    return start.autocast(CPU, "bf16")
 
 
 def llama(tied=False, seed=0):
@@ -52,14 +52,14 @@ def random_seqs(lengths, seed=1):
 # ---- A. the precision setting -------------------------------------------------------------
 
 def test_autocast_context_and_defaults():
-    with precision.autocast(CPU, "bf16"):
+    with start.autocast(CPU, "bf16"):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    with precision.autocast(CPU, "fp32"):
+    with start.autocast(CPU, "fp32"):
         assert not torch.is_autocast_enabled("cpu")
-    assert precision.default_precision(torch.device("cuda")) == "bf16"
-    assert precision.default_precision(CPU) == "fp32"
+    assert start.default_precision(torch.device("cuda")) == "bf16"
+    assert start.default_precision(CPU) == "fp32"
     with pytest.raises(AssertionError):
-        precision.autocast(CPU, "fp16")
+        start.autocast(CPU, "fp16")
 
 
 # ---- B. the value head in fp32 --------------------------------------------------------------
@@ -105,7 +105,7 @@ def test_bce_gradient_reaches_the_head_output_at_the_last_response_token(model, 
     prompt_lens, rewards = torch.tensor([3, 2]), torch.tensor([1.0, 0.0])
     act = torch.zeros(2, 6)
     act[0, 2:6], act[1, 1:3] = 1, 1  # actions: columns P-1 .. P+T-2
-    loss, _ = value.critic_loss(critic, critic(ids, mask, prompt_lens), None, None, rewards, act)
+    loss, _ = critic.loss(critic(ids, mask, prompt_lens), None, None, rewards, act)
     loss.backward()
     grad = outputs[0].grad.squeeze(-1) * 16
     if head == "tracking":  # b at P-1 takes every state; the last token (columns 6 and 3) only s_T
@@ -120,7 +120,7 @@ def test_bce_gradient_reaches_the_head_output_at_the_last_response_token(model, 
 @pytest.mark.parametrize("tied", [False, True])
 def test_reference_logprobs_equal_the_policy_under_autocast(tied):
     policy = llama(tied)
-    ref = precision.cast_linear_weights(copy.deepcopy(policy), "bf16")
+    ref = start.cast_linear_weights(copy.deepcopy(policy), "bf16")
     seqs = random_seqs([200, 150], seed=4)  # long: RoPE's angles at late positions matter
     ids, mask = rollout.pad_right(seqs, 0)
     with torch.no_grad(), bf16():
@@ -137,7 +137,7 @@ def test_reference_logprobs_equal_the_policy_under_autocast(tied):
 
 
 def test_fp32_leaves_the_reference_alone(model):
-    ref = precision.cast_linear_weights(copy.deepcopy(model), "fp32")
+    ref = start.cast_linear_weights(copy.deepcopy(model), "fp32")
     assert all(p.dtype == torch.float32 for p in ref.parameters())
 
 
@@ -182,7 +182,7 @@ def test_chosen_logprobs_transient_memory(dtype):
 def test_fork_buffers_take_the_autocast_dtype(model):
     seqs = random_seqs([30, 17])
     ids, mask = rollout.pad_right(seqs, 0)
-    for context, dtype in [(bf16, torch.bfloat16), (lambda: precision.autocast(CPU, "fp32"), torch.float32)]:
+    for context, dtype in [(bf16, torch.bfloat16), (lambda: start.autocast(CPU, "fp32"), torch.float32)]:
         with torch.no_grad(), context():
             _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
             _, _, forked = kv_fork.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5, pad_id=0)
@@ -260,7 +260,7 @@ def test_gather_fork_equals_copy_fork(model, autocast):
     ids, mask = rollout.pad_right(seqs, 0)
     rows, ends = [0, 2, 1, 0, 1], [7, 11, 6, 16, 9]
     prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
-    with torch.no_grad(), (bf16() if autocast else precision.autocast(CPU, "fp32")):
+    with torch.no_grad(), (bf16() if autocast else start.autocast(CPU, "fp32")):
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
         copied = kv_fork.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
         gathered = kv_fork.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")

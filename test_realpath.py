@@ -197,18 +197,19 @@ def test_sft_example_when_a_token_spans_the_prompt_end(byte_tok):
 def test_cut_at_stop_hand_cases(llama_tok, char_tok, byte_tok):
     for tok in (llama_tok, char_tok, byte_tok):
         eos = tok.eos_token_id
+        cut_at_stop = lambda ids: rollout.finish(ids, len(ids), eos, tok, STOP)[0]  # the budget cuts nothing
         enc = lambda text: tok(text, add_special_tokens=False).input_ids
         kept = enc("\nA = 3.\n#### 3")
         # HF stops at the token completing the stop string, which may run past it (':\n' in byte-level BPE)
         for tail in ("\n\n\nProblem:",) + (("\n\n\nProblem:\n",) if tok is byte_tok else ()):
             ids = enc("\nA = 3.\n#### 3" + tail)
             assert ids[: len(kept)] == kept
-            assert rollout.cut_at_stop(tok, ids, STOP, eos) == kept + [eos]
-            assert rollout.cut_at_stop(tok, ids + [eos], STOP, eos) == kept + [eos]
-        assert rollout.cut_at_stop(tok, kept + [eos], STOP, eos) == kept + [eos]  # no stop string: unchanged
-        assert rollout.cut_at_stop(tok, kept, STOP, eos) == kept
-        assert rollout.cut_at_stop(tok, enc("\n\n\nProblem"), STOP, eos) == enc("\n\n\nProblem")
-        # a row that stopped, filled with EOS (rollout.decode) -> the kept tokens and EOS, finished
+            assert cut_at_stop(ids) == kept + [eos]
+            assert cut_at_stop(ids + [eos]) == kept + [eos]
+        assert cut_at_stop(kept + [eos]) == kept + [eos]  # no stop string: unchanged
+        assert cut_at_stop(kept) == kept
+        assert cut_at_stop(enc("\n\n\nProblem")) == enc("\n\n\nProblem")
+        # a row that stopped, filled with EOS (rollout.fork_and_decode) -> the kept tokens and EOS, finished
         row = enc("\nA = 3.\n#### 3\n\n\nProblem:") + [eos] * 3
         assert rollout.finish(row, 100, eos, tok, STOP) == (kept + [eos], True)
         assert rollout.finish(row, len(kept) + 2, eos, tok, STOP) == (row[: len(kept) + 2], False)

@@ -357,7 +357,7 @@ def test_tracking_head_zero_init_and_bce_learns(backbone):
     opt = torch.optim.Adam(critic.head.parameters(), lr=0.05)
     losses = []
     for _ in range(60):
-        loss, _ = value.critic_loss(critic, critic(ids, mask, plens), None, None, rewards, act)
+        loss, _ = critic.loss(critic(ids, mask, plens), None, None, rewards, act)
         opt.zero_grad(), loss.backward(), opt.step()
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(2), abs=1e-6) and losses[-1] < 0.8 * losses[0]
@@ -367,7 +367,7 @@ def test_scalar_value_clipping_hand_example(backbone):
     critic = value.Critic(copy.deepcopy(backbone), "scalar")
     out, old = torch.tensor([[0.9, 0.1]]), torch.tensor([[0.5, 0.2]])
     returns, mask = torch.tensor([[1.0, 0.0]]), torch.ones(1, 2)
-    loss, st = value.critic_loss(critic, out, old, returns, None, mask, clip=0.2)
+    loss, st = critic.loss(out, old, returns, None, mask, clip=0.2)
     # token 0: clipped to 0.7 -> max(0.01, 0.09) = 0.09; token 1: within the clip -> 0.01
     assert loss.item() == pytest.approx(0.5 * (0.09 + 0.01) / 2) and st["value_clipfrac"] == 0.5
 
@@ -421,7 +421,7 @@ def scored_episodes(model, rewards_by_group, lengths):
 
 
 def run_update(model, eps, whiten):
-    learner = ppo.make_learner(model, 1e-2, 10, 0, False, "cpu")
+    learner = ppo.Learner(model, 1e-2, 10, 0, False, "cpu")
     return ppo.ppo_update(eps, learner, None, epochs=1, minibatch=len(eps), micro_batch=len(eps),
                           temperature=1.0, clip=0.2, kl_coef=0.0, value_clip=0.2, move_policy=True,
                           whiten=whiten, pad_id=0, device="cpu", autocast=contextlib.nullcontext())

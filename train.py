@@ -16,14 +16,12 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 import checkpoint
 import parallel
 import ppo
-import precision
 import reward
 import rollout
 import start
@@ -34,18 +32,18 @@ from reward import STOP, DataError, gsm8k_reward
 
 def arg(default, help, valid=None):
     """A setting: its default, its help, and its rule (a test and the words for what it expects)."""
-    return field(default=default, metadata={"help": help, "valid": valid})
+    return dataclasses.field(default=default, metadata={"help": help, "valid": valid})
 
 
 at_least = lambda low: (lambda v: v >= low, f">= {low}")
 above = lambda low: (lambda v: v > low, f"> {low}")
 between = lambda low, high: (lambda v: low <= v <= high, f"between {low} and {high}")
 one_of = lambda *names: (lambda v: v in names, "one of " + ", ".join(names))
-DEVICE = (lambda v: v in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", v),
-          "'auto', 'cpu', 'cuda' or 'cuda:N'")
+DEVICE = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "'auto', 'cpu', 'cuda' or 'cuda:N'")
+STEPS = (lambda v: re.fullmatch(r"[1-8]-[1-8]", v) and v[0] <= v[2], "MIN-MAX, 1 <= MIN <= MAX <= 8")
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     """Defaults follow the reference's rho-1.1B GSM8K run; DEMO below overrides a few for --model tiny."""
     model: str = arg("tiny", "'tiny' (built offline), 'rho-math-1.1b', or any HF model id / local path")
@@ -73,12 +71,10 @@ class Config:
     minibatch: int = arg(64, "episodes per optimizer step", at_least(1))
     micro_batch: int = arg(16, "episodes per forward/backward pass (gradient accumulation)", at_least(1))
     lr: float = arg(1e-6, "policy learning rate (AdamW)", at_least(0))
-    warmup: float = arg(0.03, "fraction of optimizer steps with log-shaped warm-up, then linear decay to 0",
-                        between(0, 1))
+    warmup: float = arg(0.03, "fraction of steps in log-shaped warm-up, then linear decay to 0", between(0, 1))
     clip: float = arg(0.2, "PPO clip range epsilon", above(0))
     kl_coef: float = arg(1e-4, "coefficient of the k3 KL to the reference model, in the loss", at_least(0))
-    temperature: float = arg(0.6, "sampling temperature (also divides the logits of every training log-prob)",
-                             above(0))
+    temperature: float = arg(0.6, "sampling temperature (also divides the logits of every log-prob)", above(0))
     top_p: float = arg(0.9, "nucleus sampling (the log-probs do not model it: 1.0 samples exactly the policy)",
                        (lambda v: 0 < v <= 1, "in (0, 1]"))
     max_new_tokens: int = arg(1024, "token budget of a response; an unfinished response scores 0", at_least(1))
@@ -88,22 +84,17 @@ class Config:
     eval_problems: int = arg(0, "held-out problems per evaluation (0 = all)", at_least(0))
     eval_samples: int = arg(16, "samples per held-out problem (accuracy = mean over them)", at_least(1))
     eval_temperature: float = arg(0.35, "sampling temperature at evaluation (0 = greedy)", at_least(0))
-    save_every: int = arg(10, "write OUT/checkpoint every N iterations and at the end (0: only at the end)",
-                          at_least(0))
+    save_every: int = arg(10, "checkpoint every N iterations and at the end (0: only at the end)", at_least(0))
     sft_steps: int = arg(0, "supervised warm-up steps on the gold solutions before RL", at_least(0))
     sft_lr: float = arg(1e-5, "SFT learning rate", at_least(0))
     sft_batch: int = arg(64, "SFT batch size", at_least(1))
-    arith_steps: str = arg("2-5", "arith only: steps per chain, MIN-MAX (the difficulty)",
-                           (lambda v: re.fullmatch(r"[1-8]-[1-8]", v) and v[0] <= v[2], "MIN-MAX, 1 <= MIN <= MAX <= 8"))
-    arith_slip: float = arg(0.0, "arith only: chance that a step of an SFT demonstration is off by one",
-                            between(0, 1))
-    max_batch_tokens: int = arg(524288, "memory budget of one generation batch: rows x (prefix + new tokens)",
-                                at_least(1))
-    forward_batch_tokens: int = arg(32768, "memory budget of one log-prob / value forward pass, in tokens",
-                                    at_least(1))
+    arith_steps: str = arg("2-5", "arith only: steps per chain, MIN-MAX (the difficulty)", STEPS)
+    arith_slip: float = arg(0.0, "arith only: chance that a step of an SFT demo is off by one", between(0, 1))
+    max_batch_tokens: int = arg(524288, "generation batch budget: rows x (prefix + new tokens)", at_least(1))
+    forward_batch_tokens: int = arg(32768, "token budget of one log-prob / value forward pass", at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
     precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights (default: bf16 on CUDA, else fp32)",
-                         one_of("", *precision.PRECISIONS))
+                         one_of("", *start.PRECISIONS))
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, replacing its results")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: transformers' own architectures)")
@@ -130,8 +121,7 @@ def parse_args(argv=None) -> Config:
         shown = f" (default: {default})" if default != "" else ""  # "" defaults are explained in the help
         p.add_argument("--" + f.name.replace("_", "-"), default=None, help=f.metadata["help"] + shown, **kind)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
-    preset = DEMO if given.get("model", Config.model) == "tiny" else {}
-    cfg = Config(**{**preset, **given})
+    cfg = Config(**{**(DEMO if given.get("model", Config.model) == "tiny" else {}), **given})
     for f in dataclasses.fields(Config):  # every setting against its rule, once, before any work
         v, (test, expected) = getattr(cfg, f.name), f.metadata["valid"] or (lambda v: True, "")
         if (isinstance(v, float) and not math.isfinite(v)) or not test(v):
@@ -151,9 +141,10 @@ def main(cfg: Config):
                max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens,
                fork_method="gather" if device.type == "cuda" else "copy")  # see kv_fork.fork
     grade = lambda response_ids, ep: gsm8k_reward(tok.decode(response_ids, skip_special_tokens=True), ep.gold)
+    evaluate = lambda it: rollout.evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, it)
+    critic_model = critic and critic.model
     if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
-        accuracy = rollout.evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, 0)
-        log(cfg.out, {"iteration": 0, "eval_accuracy": accuracy})
+        log(cfg.out, {"iteration": 0, "eval_accuracy": evaluate(0)})
         if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
             checkpoint.save_training_state(cfg, 0, tok, policy, critic)
     elif done >= cfg.iterations and rank == 0:
@@ -161,68 +152,59 @@ def main(cfg: Config):
                    "nothing to train")
 
     for it in range((done or 0) + 1, cfg.iterations + 1):
-        t0 = time.time()
-        # 1-3. prompts (the reference shuffles with seed + iteration), responses, rewards
+        clock = [time.time()]  # when each phase ends, for the time_* metrics
+        # 1-3. prompts (the reference shuffles with seed + iteration), responses, rewards, step boundaries
         problems = reward.draw_problems(train_set, cfg.prompts_per_iter, cfg.seed + it, rank, world)
         with autocast, parallel.whole(policy.model):  # FSDP: full weights while processes sample apart
             episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, grade,
                                                temperature=cfg.temperature, **gen)
         for ep in episodes:
             ep.step_starts = vine.response_step_starts(tok, ep.response_ids)
-        times = {"time_rollout": time.time() - t0}
-
-        # 4-5. old log-probs and, from the same forward pass, the values; then the advantages
-        t = time.time()
-        with parallel.whole(policy.model, critic and critic.model):
+        clock.append(time.time())
+        # 4-5. old log-probs and, from the same forward pass, the values (its KV cache holds every state the
+        #      MC rollouts fork: no state is encoded twice); then the advantages
+        with parallel.whole(policy.model, critic_model):
             mc_counts = vine.old_logprobs_and_values(
-                policy.model, critic and critic.model, episodes, grade, algo=cfg.algo,
-                temperature=cfg.temperature, mc_rollouts=cfg.mc_rollouts, max_value_states=cfg.max_value_states,
+                policy.model, critic_model, episodes, grade, algo=cfg.algo, temperature=cfg.temperature,
+                mc_rollouts=cfg.mc_rollouts, max_value_states=cfg.max_value_states,
                 forward_batch_tokens=cfg.forward_batch_tokens, autocast=autocast, **gen)
         diagnostics = ppo.assign_advantages(cfg.algo, episodes, cfg.gamma, cfg.lam, cfg.lam_critic)
-        times["time_values"] = time.time() - t
-
+        clock.append(time.time())
         # 6. reference log-probs, once per iteration
-        t = time.time()
         rollout.reference_logprobs(ref, episodes, temperature=cfg.temperature, pad_id=gen["pad_id"],
                                    forward_batch_tokens=cfg.forward_batch_tokens, autocast=autocast)
-        times["time_logprobs"] = time.time() - t
-
+        clock.append(time.time())
         # 7. epochs of clipped PPO on shuffled minibatches (during --critic-warmup only the critic learns);
         #    GRPO's advantages are already normalised per group: whitening again would re-centre them
-        t = time.time()
         stats = ppo.ppo_update(episodes, policy, critic, epochs=cfg.epochs, minibatch=cfg.minibatch // world,
                                micro_batch=cfg.micro_batch, temperature=cfg.temperature, clip=cfg.clip,
                                kl_coef=cfg.kl_coef, value_clip=cfg.value_clip,
                                move_policy=it > cfg.critic_warmup, whiten=cfg.algo != "grpo",
                                pad_id=gen["pad_id"], device=device, autocast=autocast)
-        times["time_update"] = time.time() - t
-
-        # 8. log, evaluate, checkpoint
-        times["seconds"] = time.time() - t0
-        row = {"iteration": it, **iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, times)}
-        if due(it, cfg.eval_every, cfg.iterations):
-            row["eval_accuracy"] = rollout.evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, it)
+        clock.append(time.time())
+        # 8. log, evaluate, checkpoint: every N iterations (N = 0: never) and at the last one
+        due = lambda every: it == cfg.iterations or (every > 0 and it % every == 0)
+        row = {"iteration": it, **iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, clock)}
+        if due(cfg.eval_every):
+            row["eval_accuracy"] = evaluate(it)
         log(cfg.out, row)
-        if due(it, cfg.save_every, cfg.iterations):
+        if due(cfg.save_every):
             checkpoint.save_training_state(cfg, it, tok, policy, critic)
     return policy.model
 
 
-def due(iteration: int, every: int, last: int) -> bool:
-    """Every `every` iterations and at the last one (every = 0: at the last one only)."""
-    return iteration == last or (every > 0 and iteration % every == 0)
-
-
-def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy, times: dict) -> dict:
+def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy, clock: list) -> dict:
     """One metrics row: counts summed over processes, means averaged, times of the slowest process."""
-    counts = {"skipped_batches": stats.pop("skipped_batches"),
-              "nonfinite_skips": stats.pop("nonfinite_skips"),
-              "prompts": len({ep.group for ep in episodes}), "episodes": len(episodes),
-              "mc_states": mc_counts["mc_states"],
-              "tokens_generated": sum(len(ep.response_ids) for ep in episodes) + mc_counts["mc_tokens"]}
+    n_tokens = sum(len(ep.response_ids) for ep in episodes)
+    counts = {k: stats.pop(k) for k in ("skipped_batches", "nonfinite_skips")}
+    counts.update(prompts=len({ep.group for ep in episodes}), episodes=len(episodes),
+                  mc_states=mc_counts["mc_states"], tokens_generated=n_tokens + mc_counts["mc_tokens"])
     means = {"train_reward": sum(ep.reward for ep in episodes) / len(episodes), **stats,
-             "response_tokens": sum(len(ep.response_ids) for ep in episodes) / len(episodes),
-             "lr": policy.scheduler.get_last_lr()[0], **diagnostics}
+             "response_tokens": n_tokens / len(episodes), "lr": policy.scheduler.get_last_lr()[0],
+             **diagnostics}
+    phases = ("time_rollout", "time_values", "time_logprobs", "time_update")
+    times = {**{name: end - begin for name, begin, end in zip(phases, clock, clock[1:])},
+             "seconds": clock[-1] - clock[0]}
     return parallel.merge_metrics(parallel.gather((counts, means, times)))
 
 
@@ -231,15 +213,14 @@ def log(out: str, row: dict):
         with open(os.path.join(out, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
         tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    if row.get("nonfinite_skips") and parallel.rank() == 0:
-        tqdm.write(f"warning: iteration {row['iteration']}: {row['nonfinite_skips']} non-finite losses skipped")
+        if row.get("nonfinite_skips"):
+            tqdm.write(f"warning: iteration {row['iteration']}: {row['nonfinite_skips']} non-finite losses "
+                       "skipped")
 
 
 if __name__ == "__main__":
-    cfg = parse_args()
     try:
-        main(cfg)
+        main(parse_args())
         parallel.close()
     except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(print(f"error: {e}", file=sys.stderr) or 2)

@@ -1,15 +1,11 @@
-"""VinePPO's credit assignment: reasoning steps, Monte Carlo state values, step advantages.
-
-Kazemnejad et al. 2024 (arXiv 2410.01679), §4: from every step boundary s_i of a sampled
-response, sample K more continuations with the current policy and average their rewards:
+"""VinePPO's credit assignment (Kazemnejad et al. 2024, arXiv 2410.01679, §4): from every step boundary s_i
+of a response, K more continuations; every token of step i takes A_i (the KL term lives in the loss):
 
     V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)                        (unbiased MC value)
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),  r_i = R * [i = n-1],  V(s_n) = 0  (gamma = 1)
-
-so A_i = V_hat(s_{i+1}) - V_hat(s_i) and the last step gets R - V_hat(s_{n-1}). Every token of
-step i takes A_i. Values come from the task reward only: the KL term lives in the loss.
 """
 from bisect import bisect_right
+from itertools import accumulate
 
 import torch
 from tqdm import tqdm
@@ -18,42 +14,24 @@ import rollout
 
 
 def step_starts(token_texts: list[str]) -> list[int]:
-    """Token index where each reasoning step starts; the first step starts at 0.
-
-    The reference's GSM8K rule (tasks/gsm8k.py), applied to the text the tokens spell
-    (token_texts[t]: the text token t adds to the decoded response, see decoded_pieces):
-    a step opens at each '\\n' that starts a line; leading empty lines merge into the first
-    step; with an answer ('\\n####'), the last non-empty line, any empty lines after it and
-    the answer form one final step; a blank line in the middle is a step of its own. A token
-    belongs to the step of its first character, so a state boundary falls before the first
-    token that begins inside a new step (reference pitfall 5)."""
+    """Token index where each step starts, by the reference's rule (tasks/gsm8k.py) on the tokens' text: a
+    step opens at each line; leading empty lines join the first; the last non-empty line, empty lines after
+    it and the answer ('\\n####') form one; a token is in its first character's step (reference pitfall 5)."""
     text = "".join(token_texts)
     answer_at = text.find("\n####")
-    body = text if answer_at < 0 else text[:answer_at]
-    lines = body.split("\n")
+    lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
     nonempty = [i for i, line in enumerate(lines) if line.strip()]
     opens = []  # character positions of the '\n' that opens a step
     if nonempty:
         last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
-        newline_at = [sum(len(line) + 1 for line in lines[:i]) - 1 for i in range(1, len(lines))]
-        opens = [newline_at[i - 1] for i in range(nonempty[0] + 1, last + 1)]
-    starts, char = [0], 0
-    step_of_prev = 0
-    for t, piece in enumerate(token_texts):
-        step = bisect_right(opens, char)  # steps opened at or before this token's first char
-        if t > 0 and step != step_of_prev:
-            starts.append(t)
-        step_of_prev, char = step, char + len(piece)
-    return starts
+        opens = [sum(len(line) + 1 for line in lines[:i]) - 1 for i in range(nonempty[0] + 1, last + 1)]
+    firsts = list(accumulate((len(piece) for piece in token_texts), initial=0))[:-1]  # each token's first char
+    steps = [bisect_right(opens, char) for char in firsts]  # steps opened at or before it
+    return [0] + [t for t in range(1, len(steps)) if steps[t] != steps[t - 1]]
 
 
 def decoded_pieces(tok, ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded sequence, so that ''.join(pieces) is the text the
-    grader reads. A token decoded alone can differ: SentencePiece decoders strip the leading
-    space of a sequence, so a lone '▁' decodes to '', and one byte of a multi-byte character
-    decodes to '�'. Incremental detokenization (as in vLLM and TGI): decode a short window
-    ending at each token and keep what it adds; a token that leaves a character incomplete adds
-    '', and the token completing it adds the character. Two short decodes per token: O(T)."""
+    """The text each token adds to the decoded sequence (alone, '▁' decodes to ''), as vLLM detokenizes."""
     decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
     pieces, start, read, shown = [], 0, 0, ""  # the window is ids[start:]; shown = its text up to read
     for t in range(len(ids)):
@@ -68,15 +46,11 @@ def decoded_pieces(tok, ids: list[int]) -> list[str]:
 
 
 def response_step_starts(tok, response_ids: list[int]) -> list[int]:
-    """step_starts of a sampled response, each token placed where its characters are in the
-    decoded response (reference pitfall 5: a token belongs to the step of its first character)."""
     return step_starts(decoded_pieces(tok, response_ids))
 
 
 def step_advantages(values: list[float], reward: float) -> list[float]:
-    """A_i = r_i + V(s_{i+1}) - V(s_i) with r_i = reward on the last step only and V(s_n) = 0
-    (VinePPO §4, gamma = 1). A value of None (a state past the estimation cap) is filled
-    with the realised return, as in the reference, which gives those steps zero advantage."""
+    """A_i = r_i + V(s_{i+1}) - V(s_i) (VinePPO §4); a None value (past the cap) takes the realised return."""
     v = list(values) + [0.0]
     for i in reversed(range(len(values))):
         if v[i] is None:
@@ -86,36 +60,27 @@ def step_advantages(values: list[float], reward: float) -> list[float]:
 
 
 def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) -> list[float]:
-    """Broadcast step advantages to the tokens of each step; [n_tokens]."""
     bounds = starts[1:] + [n_tokens]
     return [a for a, lo, hi in zip(step_adv, starts, bounds) for _ in range(hi - lo)]
 
 
 def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k: int,
               grade, *, max_new_tokens: int, max_states: int, **gen):
-    """Set ep.values[i] = V_hat(s_i) for the first max_states states s_0, s_1, ..., None beyond.
-
-    `cache` is the KV cache of the forward pass over these episodes (row rows[e] holds
-    prompt + response of episodes[e]), so each state is forked, never re-encoded. Identical
-    states (e.g. the prompt, shared by all samples of a problem) are estimated once.
-    `grade(response_text_ids, ep) -> reward` scores prefix + continuation: the full solution
-    (reference pitfall 4). A continuation that runs out of tokens scores 0. The budget is the
-    one of the main rollout: a state at response token b may add max_new_tokens - b tokens."""
+    """ep.values[i] = V_hat(s_i) of the first max_states states, forked from `cache` (row rows[e]), each
+    distinct state once, graded with its prefix (reference pitfall 4); -> (states, tokens generated)."""
     unique = {}  # state tokens -> (episode, boundary)
     for e, ep in enumerate(episodes):
         for b in ep.step_starts[:max_states]:
             unique.setdefault(tuple(ep.prompt_ids + ep.response_ids[:b]), (e, b))
     keys = list(unique)
-    prefixes = [list(key) for key in keys]
     budgets = [max_new_tokens - unique[key][1] for key in keys]
-    conts, finished = rollout.sample(model, prefixes, k, budgets, cache=cache,
+    conts, finished = rollout.sample(model, [list(key) for key in keys], k, budgets, cache=cache,
                                      rows=[rows[unique[key][0]] for key in keys], **gen)
     value = {}
     for key, cs, fs in zip(keys, conts, finished):
         e, b = unique[key]
         ep = episodes[e]
-        rewards = [grade(ep.response_ids[:b] + c, ep) if f else 0.0 for c, f in zip(cs, fs)]
-        value[key] = sum(rewards) / k
+        value[key] = sum(grade(ep.response_ids[:b] + c, ep) if f else 0.0 for c, f in zip(cs, fs)) / k
     for ep in episodes:
         ep.values = [value.get(tuple(ep.prompt_ids + ep.response_ids[:b])) if i < max_states else None
                      for i, b in enumerate(ep.step_starts)]
@@ -124,10 +89,7 @@ def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k:
 
 def old_logprobs_and_values(policy, critic, episodes, grade, *, algo: str, temperature: float, mc_rollouts: int,
                             max_value_states: int, forward_batch_tokens: int, autocast, **gen) -> dict:
-    """ep.old_logp, and VinePPO's MC values (above) or a critic's V(s_t) (value.py), whichever `algo`
-    needs. One forward pass per chunk of episodes gives the old log-probs and the KV cache of every
-    prefix of every response, so the forks copy that cache: no state is encoded again.
-    Returns the number of MC states estimated and of tokens their continuations generated."""
+    """ep.old_logp, and MC values or a critic's V(s_t), from one forward pass per chunk (its cache forked)."""
     n_states = mc_tokens = 0
     device = next(policy.parameters()).device
     for chunk in tqdm(list(rollout.group_chunks(episodes, forward_batch_tokens)), desc="values", leave=False):
