@@ -70,6 +70,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="a train.py checkpoint directory (critic/ inside is used)")
     p.add_argument("--data", default="arith")
+    p.add_argument("--arith-steps", default="2-5", help="arith only: steps per chain, MIN-MAX, as in training")
     p.add_argument("--out", default=None, help="where diagnose.jsonl goes (default: the checkpoint's parent)")
     p.add_argument("--trajectories", type=int, default=32, help="held-out trajectories, one per problem")
     p.add_argument("--gt-rollouts", type=int, default=256, help="continuations per ground-truth value")
@@ -88,7 +89,8 @@ def main():
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     gen = dict(temperature=a.temperature, top_p=a.top_p, eos_id=eos, pad_id=pad, tokenizer=tok, stop=STOP)
     ks = [int(k) for k in a.k.split(",")]
-    problems = random.Random(a.seed).sample(load_problems(a.data, "test"), a.trajectories)
+    steps = tuple(int(n) for n in a.arith_steps.split("-"))
+    problems = random.Random(a.seed).sample(load_problems(a.data, "test", steps=steps), a.trajectories)
 
     def mc(prompt, resp_prefix, gold, n):
         """Mean reward of n fresh continuations of prompt + resp_prefix (the full solution is graded)."""
