@@ -1,6 +1,6 @@
 """Does step-level credit assignment matter more on longer chains? VinePPO, GRPO and PPO side by side.
 
-    python compare.py                                    # the README's experiment (about 80 min on 2 CPU cores)
+    python compare.py                                    # the README's experiment (81 min of 1-thread runs)
     python compare.py --chains 2-5 --seeds 0 --iterations 4 --algos vineppo,grpo   # a quick look
 
 For each chain length (`--arith-steps` of the built-in task): one SFT start (`train.py
