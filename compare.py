@@ -35,7 +35,9 @@ def curve(out: str) -> list[tuple[int, float, float]]:
     """(iteration, training seconds so far, held-out accuracy) at every evaluation of a run; the
     seconds are train.py's per-iteration times, evaluation excluded."""
     points, seconds = [], 0.0
-    for row in map(json.loads, open(os.path.join(out, "metrics.jsonl"))):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    for row in rows:
         seconds += row.get("seconds", 0.0)
         if "eval_accuracy" in row:
             points.append((row["iteration"], seconds, row["eval_accuracy"]))
@@ -62,11 +64,11 @@ def summarize(curves: dict) -> dict:
 
 
 def report(results: dict):
+    cell = lambda m_se: f"{m_se[0]:.3f} ± {m_se[1]:.3f}"
     for chains, summary in results.items():
         print(f"\nchains of {chains} steps (mean ± s.e. over seeds)")
         print(f"{'method':8} {'start':>12} {'final':>12} {'seconds':>8} {'at equal time':>16}")
         for algo, s in summary.items():
-            cell = lambda m_se: f"{m_se[0]:.3f} ± {m_se[1]:.3f}"
             print(f"{algo:8} {cell(s['start']):>12} {cell(s['final']):>12} {s['seconds']:>8.0f} "
                   f"{cell(s['at_budget']):>16}  (at {s['budget']:.0f} s)")
     for other in [a for a in next(iter(results.values())) if a != "vineppo"]:

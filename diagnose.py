@@ -89,8 +89,7 @@ def main():
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     gen = dict(temperature=a.temperature, top_p=a.top_p, eos_id=eos, pad_id=pad, tokenizer=tok, stop=STOP)
     ks = [int(k) for k in a.k.split(",")]
-    steps = tuple(int(n) for n in a.arith_steps.split("-"))
-    problems = random.Random(a.seed).sample(load_problems(a.data, "test", steps=steps), a.trajectories)
+    problems = random.Random(a.seed).sample(load_problems(a.data, "test", steps=a.arith_steps), a.trajectories)
 
     def mc(prompt, resp_prefix, gold, n):
         """Mean reward of n fresh continuations of prompt + resp_prefix (the full solution is graded)."""

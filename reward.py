@@ -99,11 +99,13 @@ def read_jsonl(path: str) -> list[dict]:
     return problems
 
 
-def load_problems(data: str, split: str, steps: tuple[int, int] = (2, 5), slip: float = 0.0) -> list[dict]:
+def load_problems(data: str, split: str, steps: str = "2-5", slip: float = 0.0) -> list[dict]:
     """'arith' (2000 problems a split, the same for every seed) | 'gsm8k' (openai/gsm8k) | a .jsonl file
-    (any split); each problem with its prompt text: the reference's template, or the built-in task's."""
+    (any split); each problem with its prompt text: the reference's template, or the built-in task's.
+    steps: arith's --arith-steps, 'MIN-MAX'."""
     if data == "arith":
-        problems = arith_dataset(2000, seed=0 if split == "train" else 10_000, steps=steps, slip=slip)
+        min_max = tuple(int(n) for n in steps.split("-"))
+        problems = arith_dataset(2000, seed=0 if split == "train" else 10_000, steps=min_max, slip=slip)
     elif data.endswith(".jsonl"):
         problems = read_jsonl(data)
     elif data == "gsm8k":

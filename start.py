@@ -62,9 +62,8 @@ def start_process(cfg):
 def start_run(cfg, device, autocast):
     """Data, models, learners (ppo.Learner) and the last iteration done (None for a fresh run)."""
     prepare_out(cfg)
-    arith_steps = tuple(int(n) for n in cfg.arith_steps.split("-"))
-    train_set = reward.load_problems(cfg.data, "train", steps=arith_steps, slip=cfg.arith_slip)
-    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", steps=arith_steps)
+    train_set = reward.load_problems(cfg.data, "train", steps=cfg.arith_steps, slip=cfg.arith_slip)
+    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", steps=cfg.arith_steps)
     eval_set = eval_set[: cfg.eval_problems or None]
     resume_from, state = checkpoint.find_resume(cfg)
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
