@@ -112,7 +112,10 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
         if state["config"].get(key) != getattr(cfg, key):
             raise DataError(f"--resume: {path} was written with --{key.replace('_', '-')} "
                             f"{state['config'].get(key)!r}, not {getattr(cfg, key)!r}")
-    if state["config"]["iterations"] < cfg.iterations and parallel.rank() == 0:
+    if state["iteration"] >= cfg.iterations and parallel.rank() == 0:
+        tqdm.write(f"--resume: the checkpoint is at iteration {state['iteration']}, --iterations "
+                   f"{cfg.iterations}: nothing to train")
+    elif state["config"]["iterations"] < cfg.iterations and parallel.rank() == 0:
         tqdm.write(f"--resume: --iterations {cfg.iterations}, not {state['config']['iterations']}: "
                    f"the LR schedule is stretched to end at iteration {cfg.iterations}")
     return path, state

@@ -9,6 +9,8 @@ import parallel
 import rollout
 import vine
 
+ALGOS = ("vineppo", "ppo", "tppo", "grpo")  # the advantages assign_advantages knows
+
 
 def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)

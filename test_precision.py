@@ -18,7 +18,6 @@ import bench
 from test_vine import SMALL  # the tiny settings of test_vine's smoke runs
 import ppo
 import start
-import kv_fork
 import rollout
 import value
 
@@ -185,7 +184,7 @@ def test_fork_buffers_take_the_autocast_dtype(model):
     for context, dtype in [(bf16, torch.bfloat16), (lambda: start.autocast(CPU, "fp32"), torch.float32)]:
         with torch.no_grad(), context():
             _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
-            _, _, forked = kv_fork.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5, pad_id=0)
+            _, _, forked = rollout.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5, pad_id=0)
         assert {x.dtype for layer in forked.layers for x in (layer.keys, layer.values)} == {dtype}
     assert cache.layers[0].keys.dtype == torch.float32  # the source cache: what the fork converts from
 
@@ -200,7 +199,7 @@ def test_forked_logprobs_under_autocast_match_the_full_forward(model):
         full, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
         logits = model(input_ids=ids, attention_mask=mask).logits
         prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
-        fork_ids, attn, forked = kv_fork.fork(cache, prefixes, rows, 1, 3, pad_id=0)
+        fork_ids, attn, forked = rollout.fork(cache, prefixes, rows, 1, 3, pad_id=0)
         for step in range(3):  # feed the true next tokens one at a time
             last = torch.tensor([seqs[r][e - 1 + step] for r, e in zip(rows, ends)])[:, None]
             positions = torch.tensor(ends)[:, None] - 1 + step
@@ -262,11 +261,11 @@ def test_gather_fork_equals_copy_fork(model, autocast):
     prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
     with torch.no_grad(), (bf16() if autocast else start.autocast(CPU, "fp32")):
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
-        copied = kv_fork.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
-        gathered = kv_fork.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
+        copied = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
+        gathered = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
         kw = dict(temperature=0.0, top_p=1.0, eos_id=2, pad_id=0, cache=cache, rows=rows)
         samples = [rollout.sample(model, prefixes, 2, [6] * 5, fork_method=method, **kw)
-                   for method in kv_fork.FORK_METHODS]
+                   for method in rollout.FORK_METHODS]
     assert samples[0] == samples[1]
     assert torch.equal(copied[0], gathered[0]) and torch.equal(copied[1], gathered[1])
     for a, b in zip(copied[2].layers, gathered[2].layers):  # the W-1 cached columns (decoding fills the rest)

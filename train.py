@@ -50,17 +50,15 @@ class Config:
     data: str = arg("arith", "'arith' (built-in task), 'gsm8k' (hub), or a .jsonl file with question/answer")
     eval_data: str = arg("", "held-out problems; default: the test split of --data (for .jsonl: the same file)")
     out: str = arg("out", "output directory: metrics.jsonl, samples.jsonl, checkpoint/")
-    algo: str = arg("vineppo", "vineppo (MC values) | ppo (critic, GAE) | tppo (tracking critic, GAE) | grpo",
-                    one_of("vineppo", "ppo", "tppo", "grpo"))
+    algo: str = arg("vineppo", "vineppo | ppo (critic) | tppo (tracking critic) | grpo", one_of(*ppo.ALGOS))
     seed: int = arg(0, "random seed")
     iterations: int = arg(650, "RL iterations (sample, estimate, update)", at_least(0))
     prompts_per_iter: int = arg(64, "problems sampled per iteration", at_least(1))
     samples_per_prompt: int = arg(8, "responses sampled per problem", at_least(1))
     mc_rollouts: int = arg(9, "K: continuations per state for the MC value", at_least(1))
-    max_value_states: int = arg(26, "states per response with an MC value (the reference's s_0..s_25); "
-                                "later ones take the realised return", at_least(1))
-    value_head: str = arg("", "critic head for ppo/tppo: scalar | tracking | bce (default: scalar for ppo, "
-                          "tracking for tppo)", one_of("", *value.HEADS))
+    max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); later: the return", at_least(1))
+    value_head: str = arg("", "ppo/tppo critic head: scalar | tracking | bce (default: scalar, tppo: tracking)",
+                          one_of("", *value.HEADS))
     critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)", at_least(0))
     critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves", at_least(0))
     gamma: float = arg(1.0, "GAE discount", between(0, 1))
@@ -79,8 +77,7 @@ class Config:
                        (lambda v: 0 < v <= 1, "in (0, 1]"))
     max_new_tokens: int = arg(1024, "token budget of a response; an unfinished response scores 0", at_least(1))
     max_prompt_tokens: int = arg(1512, "problems with longer prompts are skipped", at_least(1))
-    eval_every: int = arg(10, "evaluate every N iterations (iteration 0 = before RL; 0: only at the end)",
-                          at_least(0))
+    eval_every: int = arg(10, "evaluate before RL, every N iterations and at the end (0: no N)", at_least(0))
     eval_problems: int = arg(0, "held-out problems per evaluation (0 = all)", at_least(0))
     eval_samples: int = arg(16, "samples per held-out problem (accuracy = mean over them)", at_least(1))
     eval_temperature: float = arg(0.35, "sampling temperature at evaluation (0 = greedy)", at_least(0))
@@ -98,8 +95,7 @@ class Config:
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, replacing its results")
     trust_remote_code: bool = arg(False, "allow model code from the hub (off: transformers' own architectures)")
-    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in backward: less memory, "
-                                       "slower updates (the reference runs with it)")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, slower")
     fsdp: bool = arg(False, "under torchrun: shard policy and critic (weights, grads, AdamW) with FSDP2")
 
 
@@ -138,8 +134,7 @@ def main(cfg: Config):
     tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
     # sampling settings shared by rollouts, MC continuations and evaluation; the reference's stop string
     gen = dict(top_p=cfg.top_p, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), tokenizer=tok, stop=STOP,
-               max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens,
-               fork_method="gather" if device.type == "cuda" else "copy")  # see kv_fork.fork
+               max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens)
     grade = lambda response_ids, ep: gsm8k_reward(tok.decode(response_ids, skip_special_tokens=True), ep.gold)
     evaluate = lambda it: rollout.evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, it)
     critic_model = critic and critic.model
@@ -147,9 +142,6 @@ def main(cfg: Config):
         log(cfg.out, {"iteration": 0, "eval_accuracy": evaluate(0)})
         if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
             checkpoint.save_training_state(cfg, 0, tok, policy, critic)
-    elif done >= cfg.iterations and rank == 0:
-        tqdm.write(f"--resume: the checkpoint is at iteration {done}, --iterations {cfg.iterations}: "
-                   "nothing to train")
 
     for it in range((done or 0) + 1, cfg.iterations + 1):
         clock = [time.time()]  # when each phase ends, for the time_* metrics
