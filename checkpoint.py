@@ -40,6 +40,8 @@ def build_tiny_model(path: str, seed: int):
 
 def load_model(name: str, device, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    if name.startswith((".", "/")) and not os.path.isdir(name):  # a path, not a hub id
+        raise DataError(f"--model {name!r}: no such directory")
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,

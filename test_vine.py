@@ -743,6 +743,7 @@ def test_bad_setting_gives_one_line_error(capsys, args, message):
     (["--data", "nope"], "--data 'nope': expected 'arith', 'gsm8k' or a path ending in .jsonl"),
     (["--data", "missing.jsonl"], "missing.jsonl: cannot read"),
     (["--model", "no/such-model-here"], "--model 'no/such-model-here': cannot load it"),
+    (["--model", "./no-such-dir"], "--model './no-such-dir': no such directory"),
     (["--out", "/dev/null/out"], "--out '/dev/null/out': not writable"),
     (["--device", "cuda"], "--device cuda: no CUDA device is available here"),
     (["--max-prompt-tokens", "5"], "--max-prompt-tokens 5: every training problem's prompt is longer"),
