@@ -86,7 +86,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok, policy = load_model(a.checkpoint, device)
     critic = load_critic(a.checkpoint, device)
-    eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos, pad = tok.eos_token_id, rollout.pad_id(tok)
     gen = dict(temperature=a.temperature, top_p=a.top_p, eos_id=eos, pad_id=pad, tokenizer=tok, stop=STOP)
     ks = [int(k) for k in a.k.split(",")]
     problems = random.Random(a.seed).sample(load_problems(a.data, "test", steps=a.arith_steps), a.trajectories)

@@ -215,4 +215,5 @@ if __name__ == "__main__":
         main(parse_args())
         parallel.close()
     except DataError as e:
-        sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
