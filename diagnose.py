@@ -311,7 +311,7 @@ def plot_trace(t, path):
     left.plot(x, [r["critic_value"] for r in steps], marker="s", color="C2", label="critic V(s_i)")
     left.plot([len(steps)], [t["reward"]], "k*", markersize=10, label="reward R (at the end)")
     left.set(xlabel="state s_i (before step i)", ylabel="value", xticks=range(len(steps) + 1))
-    left.legend(fontsize=8)
+    left.legend(fontsize=8, loc="best")
     methods = [("vineppo", "VinePPO A_i"), ("grpo", "GRPO"), ("ppo", "PPO: mean R - V(s_t)")]
     for j, (key, name) in enumerate(methods):
         right.bar([i + 0.27 * (j - 1) for i in x], [r[key] for r in steps], width=0.27, label=name,
@@ -320,7 +320,7 @@ def plot_trace(t, path):
     labels = [r["text"].strip().replace("\n", " ") for r in steps]
     right.set(ylabel="advantage (before whitening)", xticks=list(x), xticklabels=labels)
     right.tick_params(axis="x", labelsize=8, rotation=20)
-    right.legend(fontsize=8)
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(f"{t['question']}  (sampled answer: reward {t['reward']:g})", fontsize=10)
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
