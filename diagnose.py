@@ -289,15 +289,16 @@ def print_trace(t):
     print(f"held-out problem {t['problem']}: {t['question']}   gold solution: {t['gold']!r}")
     print(f"sample {t['sample']} of its group of {len(t['group_rewards'])} ({right} right): {t['response']!r}, "
           f"reward R = {t['reward']:g}")
-    print(f"V_hat(s_i): mean reward of K = {t['k']} continuations from the state before step i, +- its "
-          "standard error sqrt(p(1-p)/K)\ncritic: " + t["critic"])
+    print(f"V_hat(s_i): mean reward of K = {t['k']} continuations from the state before step i, "
+          "± sqrt(p(1-p)/K)\ncritic: " + t["critic"])
     print(f"{'step':>4}  {'text':22} {'V_hat(s_i)':>11} {'VinePPO A_i':>12} {'GRPO':>6} {'critic V(s_i)':>14} "
           f"{'PPO R-V(s_t)':>13}")
     for r in t["steps"]:
         print(f"{r['step']:4}  {r['text']!r:22} {r['value']:5.2f} ± {r['se']:.2f} {r['vineppo']:12.2f} "
               f"{r['grpo']:6.2f} {r['critic_value']:14.2f} {r['ppo']:13.2f}")
-    print(f"sum of A_i = {sum(r['vineppo'] for r in t['steps']):.2f} = R - V_hat(s_0); PPO's column: the mean "
-          "over the step's tokens; all before the update's whitening (GRPO's is not whitened)")
+    print(f"sum of A_i = {sum(r['vineppo'] for r in t['steps']):.2f} = R - V_hat(s_0); PPO R-V(s_t): GAE "
+          "(lambda = 1), the mean over the step's tokens\nadvantages before the update whitens them "
+          "(vineppo, ppo; GRPO's are used as they are)")
 
 
 def plot_trace(t, path):
