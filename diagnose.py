@@ -207,7 +207,6 @@ def value_accuracy(a, tok, policy, gen, problems, out):
     fig.savefig(os.path.join(out, "diagnose.png"), dpi=100, bbox_inches="tight")
 
 
-
 # ---- --trace: the credit each method gives the steps of one wrong answer -----------------------
 
 def trace(a, tok, policy, gen, problems, out):
@@ -273,10 +272,10 @@ def trace_steps(policy, critic, group, wrong, k, gen, max_new_tokens) -> list[di
     ppo.assign_advantages("grpo", group, 1.0, 1.0, 1.0)  # normalised within the problem's group
     grpo_adv = ep.advantages[0].item()
     vine.old_logprobs_and_values(policy, critic, [ep], None, algo="ppo", temperature=gen["temperature"],
-                                 mc_rollouts=k, max_value_states=len(ep.step_starts),
-                                 forward_batch_tokens=2 ** 20,
-                                 autocast=contextlib.nullcontext(), pad_id=gen["pad_id"])  # ep.old_values
-    ppo.assign_advantages("ppo", [ep], 1.0, 1.0, 1.0)  # GAE, gamma = lambda = 1: A_t = R - V(s_t)
+                                 mc_rollouts=k, max_value_states=len(ep.step_starts), pad_id=gen["pad_id"],
+                                 forward_batch_tokens=2 ** 20, autocast=contextlib.nullcontext())
+    # ep.old_values: V(s_t) before each response token; GAE with gamma = lambda = 1 gives A_t = R - V(s_t)
+    ppo.assign_advantages("ppo", [ep], 1.0, 1.0, 1.0)
     pieces, ends = vine.decoded_pieces(tok, ep.response_ids), ep.step_starts[1:] + [len(ep.response_ids)]
     return [{"step": i, "text": "".join(pieces[lo:hi]), "tokens": hi - lo, "rewards": r, "value": ep.values[i],
              "se": statistics.pstdev(r) / math.sqrt(k), "vineppo": vine_adv[i], "grpo": grpo_adv,
