@@ -2,6 +2,7 @@
 
     python diagnose.py --checkpoint out/checkpoint                  # the built-in task, CPU
     python diagnose.py --checkpoint runs/rho/checkpoint --data gsm8k --gt-rollouts 256
+    python diagnose.py --trace --checkpoint out/checkpoint          # one wrong answer, step by step
 
 For held-out trajectories of the checkpoint's policy, every state s_i (prompt, then each step
 boundary) gets a ground-truth value from --gt-rollouts continuations, and is estimated by:
@@ -13,21 +14,33 @@ Reported per estimator: mean absolute error, fraction within 0.05, MAE by step p
 (early/middle/late third), pairwise ranking accuracy of alternative next steps (ties count as
 wrong, as in the reference), and the correlation of value changes between consecutive states
 with the ground truth's. Rows per state go to OUT/diagnose.jsonl; a plot when matplotlib exists.
+
+--trace: the credit each method gives the steps of one wrong answer. The first held-out problem
+(of --tries) one of whose --group samples is wrong; that response's steps (as training splits
+them), V_hat(s_i) of each state from --trace-k continuations with its standard error, VinePPO's
+A_i, GRPO's group-normalised advantage (the same on every step) and a critic's V(s_i) with the
+mean of the GAE (lambda = 1) advantages R - V(s_t) over the step's tokens, all before the
+update's whitening. Rows go to OUT/trace.json; OUT/trace.png when matplotlib exists.
 """
 import argparse
+import contextlib
+import copy
 import itertools
 import json
 import math
 import os
 import random
 import statistics
+import sys
 
 import torch
 
+import ppo
 import rollout
+import value
 import vine
 from checkpoint import load_critic, load_model
-from reward import STOP, encode_prompt, gsm8k_reward, load_problems
+from reward import STOP, DataError, encode_prompt, gsm8k_reward, load_problems
 
 
 def pairwise_accuracy(groups) -> float:
@@ -51,7 +64,8 @@ def summarize(rows, name) -> dict:
     """MAE, within-0.05 and MAE by position third of one estimator's rows."""
     err = [abs(r[name] - r["gt"]) for r in rows]
     third = lambda r: min(2, 3 * r["step"] // r["n_steps"])
-    by_pos = {p: [abs(r[name] - r["gt"]) for r in rows if third(r) == i] for i, p in enumerate(("early", "middle", "late"))}
+    by_pos = {p: [abs(r[name] - r["gt"]) for r in rows if third(r) == i]
+              for i, p in enumerate(("early", "middle", "late"))}
     return {"mae": statistics.mean(err), "within_0.05": statistics.mean(e <= 0.05 for e in err),
             **{f"mae_{p}": statistics.mean(e) if e else float("nan") for p, e in by_pos.items()}}
 
@@ -66,53 +80,80 @@ def delta_correlation(rows, name) -> float:
     return correlation(pred, gt)
 
 
-def main():
+def mc_rewards(policy, prompt, prefix, gold, n, gen, max_new_tokens) -> list[float]:
+    """Rewards of n fresh continuations of prompt + prefix (the full solution is graded)."""
+    tok = gen["tokenizer"]
+    if prefix and prefix[-1] == gen["eos_id"]:  # a finished response: its value is its reward
+        return [gsm8k_reward(tok.decode(prefix, skip_special_tokens=True), gold)] * n
+    if len(prefix) >= max_new_tokens:  # no budget left: unfinished
+        return [0.0] * n
+    conts, done = rollout.sample(policy, [prompt + prefix], n, [max_new_tokens - len(prefix)], **gen)
+    texts = [tok.decode(prefix + c, skip_special_tokens=True) for c in conts[0]]
+    return [gsm8k_reward(t, gold) if f else 0.0 for t, f in zip(texts, done[0])]
+
+
+def critic_value(critic, prompt, prefix, pad) -> float:
+    """The critic's V at the last token of prompt + prefix."""
+    device = next(critic.parameters()).device
+    ids = torch.tensor([prompt + prefix + [pad]], device=device)  # the pad is never read
+    with torch.no_grad():
+        values = critic.values(ids, torch.ones_like(ids), torch.tensor([len(prompt)], device=device))
+    return values[0, -1].item()
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a train.py checkpoint directory (critic/ inside is used)")
+    p.add_argument("--checkpoint", required=True, help="a train.py checkpoint (critic/ inside is used)")
     p.add_argument("--data", default="arith")
     p.add_argument("--arith-steps", default="2-5", help="arith only: steps per chain, MIN-MAX, as in training")
-    p.add_argument("--out", default=None, help="where diagnose.jsonl goes (default: the checkpoint's parent)")
+    p.add_argument("--out", default=None, help="where the outputs go (default: the checkpoint's parent)")
     p.add_argument("--trajectories", type=int, default=32, help="held-out trajectories, one per problem")
     p.add_argument("--gt-rollouts", type=int, default=256, help="continuations per ground-truth value")
     p.add_argument("--k", default="1,3,9", help="comma-separated K of the MC estimators")
     p.add_argument("--alternatives", type=int, default=5, help="next steps sampled per state for ranking")
     p.add_argument("--ranking-states", type=int, default=32)
+    p.add_argument("--trace", action="store_true", help="trace one wrong answer instead (see above)")
+    p.add_argument("--trace-k", type=int, default=9, help="--trace: continuations per state (the paper's K)")
+    p.add_argument("--group", type=int, default=8, help="--trace: samples of the problem (GRPO's group)")
+    p.add_argument("--tries", type=int, default=50, help="--trace: held-out problems tried for a wrong answer")
+    p.add_argument("--critic-checkpoint", default=None,
+                   help="--trace: a ppo/tppo checkpoint whose critic is shown (default: --checkpoint's)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(argv)
     torch.manual_seed(a.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok, policy = load_model(a.checkpoint, device)
-    critic = load_critic(a.checkpoint, device)
-    eos, pad = tok.eos_token_id, rollout.pad_id(tok)
-    gen = dict(temperature=a.temperature, top_p=a.top_p, eos_id=eos, pad_id=pad, tokenizer=tok, stop=STOP)
+    gen = dict(temperature=a.temperature, top_p=a.top_p, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok),
+               tokenizer=tok, stop=STOP)
+    problems = load_problems(a.data, "test", steps=a.arith_steps)
+    out = a.out or os.path.dirname(os.path.abspath(a.checkpoint))
+    os.makedirs(out, exist_ok=True)
+    if a.trace:
+        trace(a, tok, policy, gen, problems, out)
+    else:
+        value_accuracy(a, tok, policy, gen, random.Random(a.seed).sample(problems, a.trajectories), out)
+
+
+def value_accuracy(a, tok, policy, gen, problems, out):
+    """Every state of one sampled trajectory per problem, against the ground truth; printed and saved."""
+    critic = load_critic(a.checkpoint, next(policy.parameters()).device)
     ks = [int(k) for k in a.k.split(",")]
-    problems = random.Random(a.seed).sample(load_problems(a.data, "test", steps=a.arith_steps), a.trajectories)
-
-    def mc(prompt, resp_prefix, gold, n):
-        """Mean reward of n fresh continuations of prompt + resp_prefix (the full solution is graded)."""
-        if resp_prefix and resp_prefix[-1] == eos:  # a finished response: its value is its reward
-            return gsm8k_reward(tok.decode(resp_prefix, skip_special_tokens=True), gold)
-        if len(resp_prefix) >= a.max_new_tokens:  # no budget left: unfinished
-            return 0.0
-        conts, done = rollout.sample(policy, [prompt + resp_prefix], n, [a.max_new_tokens - len(resp_prefix)], **gen)
-        texts = [tok.decode(resp_prefix + c, skip_special_tokens=True) for c in conts[0]]
-        return sum(gsm8k_reward(t, gold) if f else 0.0 for t, f in zip(texts, done[0])) / n
-
-    def critic_value(prompt, resp_prefix):
-        ids = torch.tensor([prompt + resp_prefix + [pad]], device=device)  # the pad is never read
-        with torch.no_grad():
-            return critic.values(ids, torch.ones_like(ids), torch.tensor([len(prompt)], device=device))[0, -1].item()
-
+    mc = lambda prompt, prefix, gold, n: sum(mc_rewards(policy, prompt, prefix, gold, n, gen,
+                                                        a.max_new_tokens)) / n
     estimators = [f"mc{k}" for k in ks] + ([f"critic_{critic.head_type}"] if critic else [])
 
     def estimate(prompt, resp_prefix, gold) -> dict:
         row = {"gt": mc(prompt, resp_prefix, gold, a.gt_rollouts)}
         row.update({f"mc{k}": mc(prompt, resp_prefix, gold, k) for k in ks})
         if critic:
-            row[f"critic_{critic.head_type}"] = critic_value(prompt, resp_prefix)
+            row[f"critic_{critic.head_type}"] = critic_value(critic, prompt, resp_prefix, gen["pad_id"])
         return row
 
     rows, ranking = [], {name: [] for name in estimators}
@@ -121,11 +162,13 @@ def main():
         resp = rollout.sample(policy, [prompt], 1, [a.max_new_tokens], **gen)[0][0][0]
         starts = vine.response_step_starts(tok, resp)
         for i, b in enumerate(starts):
-            rows.append({"trajectory": t, "step": i, "n_steps": len(starts), **estimate(prompt, resp[:b], prob["answer"])})
+            rows.append({"trajectory": t, "step": i, "n_steps": len(starts),
+                         **estimate(prompt, resp[:b], prob["answer"])})
             if len(ranking[estimators[0]]) >= a.ranking_states:
                 continue
             # alternatives: sample next steps from this state, keep the distinct ones (>= 2)
-            conts = rollout.sample(policy, [prompt + resp[:b]], a.alternatives, [a.max_new_tokens - b], **gen)[0][0]
+            conts = rollout.sample(policy, [prompt + resp[:b]], a.alternatives, [a.max_new_tokens - b],
+                                   **gen)[0][0]
             actions = set()
             for c in conts:
                 cut = vine.response_step_starts(tok, resp[:b] + c)
@@ -137,20 +180,21 @@ def main():
             for name in estimators:
                 ranking[name].append(([r["gt"] for r in q], [r[name] for r in q]))
 
-    out = a.out or os.path.dirname(os.path.abspath(a.checkpoint))
-    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "diagnose.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    noise = {k: statistics.mean(math.sqrt(r["gt"] * (1 - r["gt"]) / k) for r in rows) for k in ks}
+    noise = {k: statistics.mean(math.sqrt(r["gt"] * (1 - r["gt"]) / k) for r in rows)
+             for k in ks + [a.gt_rollouts]}
     print(f"{len(rows)} states of {len(problems)} trajectories, ground truth from {a.gt_rollouts} rollouts "
-          f"(its own standard error about {statistics.mean(math.sqrt(r['gt'] * (1 - r['gt']) / a.gt_rollouts) for r in rows):.3f}); "
+          f"(its own standard error about {noise[a.gt_rollouts]:.3f}); "
           f"{len(next(iter(ranking.values())))} states with >= 2 distinct next steps for ranking")
-    print(f"{'estimator':16} {'MAE':>6} {'<=0.05':>7} {'early':>6} {'middle':>7} {'late':>6} {'ranking':>8} {'dV corr':>8} {'MC s.e.':>8}")
+    print(f"{'estimator':16} {'MAE':>6} {'<=0.05':>7} {'early':>6} {'middle':>7} {'late':>6} {'ranking':>8} "
+          f"{'dV corr':>8} {'MC s.e.':>8}")
     for name in estimators:
         s = summarize(rows, name)
         se = f"{noise[int(name[2:])]:.3f}" if name.startswith("mc") else "-"
         print(f"{name:16} {s['mae']:6.3f} {s['within_0.05']:7.2f} {s['mae_early']:6.3f} {s['mae_middle']:7.3f} "
-              f"{s['mae_late']:6.3f} {pairwise_accuracy(ranking[name]):8.2f} {delta_correlation(rows, name):8.2f} {se:>8}")
+              f"{s['mae_late']:6.3f} {pairwise_accuracy(ranking[name]):8.2f} "
+              f"{delta_correlation(rows, name):8.2f} {se:>8}")
     try:
         import matplotlib.pyplot as plt
     except ImportError:
@@ -163,5 +207,127 @@ def main():
     fig.savefig(os.path.join(out, "diagnose.png"), dpi=100, bbox_inches="tight")
 
 
+# ---- --trace: the credit each method gives the steps of one wrong answer -----------------------
+
+def trace(a, tok, policy, gen, problems, out):
+    """Find a wrong answer, compute its steps' values and advantages; print, save, plot."""
+    grade = lambda ids, ep: gsm8k_reward(tok.decode(ids, skip_special_tokens=True), ep.gold)
+    found = first_wrong_answer(policy, problems[: a.tries], a.group, grade, gen, a.max_new_tokens)
+    if found is None:
+        print(f"no wrong answer: all {a.group} samples of each of the first {a.tries} held-out problems "
+              "are right")
+        return
+    index, group, wrong = found
+    critic, critic_name = trace_critic(a, policy)
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    ep = group[wrong]
+    result = {"problem": index, "question": problems[index]["question"], "gold": ep.gold, "sample": wrong,
+              "response": text(ep.response_ids), "reward": ep.reward,
+              "group_rewards": [e.reward for e in group], "k": a.trace_k, "critic": critic_name,
+              "steps": trace_steps(policy, critic, group, wrong, a.trace_k, gen, a.max_new_tokens)}
+    with open(os.path.join(out, "trace.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print_trace(result)
+    try:
+        plot_trace(result, os.path.join(out, "trace.png"))
+        print(f"rows: {os.path.join(out, 'trace.json')}, figure: {os.path.join(out, 'trace.png')}")
+    except ImportError:
+        print(f"rows: {os.path.join(out, 'trace.json')} (pip install matplotlib for the figure)")
+
+
+def first_wrong_answer(policy, problems, group, grade, gen, max_new_tokens):
+    """(index, the problem's group of samples, which sample) of the first problem with a wrong one, or None."""
+    for index, prob in enumerate(problems):
+        prob = {**prob, "prompt_ids": encode_prompt(gen["tokenizer"], prob["prompt"])}
+        episodes = rollout.sample_episodes(policy, [prob], group, grade, max_new_tokens=max_new_tokens, **gen)
+        wrong = [i for i, ep in enumerate(episodes) if ep.reward == 0]
+        if wrong:
+            return index, episodes, wrong[0]
+    return None
+
+
+def trace_critic(a, policy):
+    """(critic, what it is): --critic-checkpoint's, else --checkpoint's, else the kind PPO starts from."""
+    device = next(policy.parameters()).device
+    for path in filter(None, (a.critic_checkpoint, a.checkpoint)):
+        critic = load_critic(path, device)
+        if critic is not None:
+            return critic, f"the {critic.head_type} critic saved in {path}"
+        if path == a.critic_checkpoint:
+            sys.exit(f"error: --critic-checkpoint {path}: no critic/ inside (a ppo or tppo run's checkpoint "
+                     "has one)")
+    return value.Critic(copy.deepcopy(policy.base_model), "scalar").to(device), (
+        "UNTRAINED: a copy of this policy with a fresh scalar head, as PPO's critic starts "
+        "(--critic-checkpoint shows a trained one)")
+
+
+def trace_steps(policy, critic, group, wrong, k, gen, max_new_tokens) -> list[dict]:
+    """A row per step of group[wrong]: its text, V_hat(s_i) +- s.e. and the advantages, by training's code."""
+    tok, ep = gen["tokenizer"], group[wrong]
+    ep.step_starts = vine.response_step_starts(tok, ep.response_ids)
+    rewards = [mc_rewards(policy, ep.prompt_ids, ep.response_ids[:b], ep.gold, k, gen, max_new_tokens)
+               for b in ep.step_starts]  # K rewards per state s_i
+    ep.values = [sum(r) / k for r in rewards]
+    vine_adv = vine.step_advantages(ep.values, ep.reward)
+    ppo.assign_advantages("grpo", group, 1.0, 1.0, 1.0)  # normalised within the problem's group
+    grpo_adv = ep.advantages[0].item()
+    vine.old_logprobs_and_values(policy, critic, [ep], None, algo="ppo", temperature=gen["temperature"],
+                                 mc_rollouts=k, max_value_states=len(ep.step_starts), pad_id=gen["pad_id"],
+                                 forward_batch_tokens=2 ** 20, autocast=contextlib.nullcontext())
+    # ep.old_values: V(s_t) before each response token; GAE with gamma = lambda = 1 gives A_t = R - V(s_t)
+    ppo.assign_advantages("ppo", [ep], 1.0, 1.0, 1.0)
+    pieces, ends = vine.decoded_pieces(tok, ep.response_ids), ep.step_starts[1:] + [len(ep.response_ids)]
+    return [{"step": i, "text": "".join(pieces[lo:hi]), "tokens": hi - lo, "rewards": r, "value": ep.values[i],
+             "se": statistics.pstdev(r) / math.sqrt(k), "vineppo": vine_adv[i], "grpo": grpo_adv,
+             "critic_value": ep.old_values[lo].item(), "ppo": ep.advantages[lo:hi].mean().item()}
+            for i, (lo, hi, r) in enumerate(zip(ep.step_starts, ends, rewards))]
+
+
+def print_trace(t):
+    right = sum(r == 1 for r in t["group_rewards"])
+    print(f"held-out problem {t['problem']}: {t['question']}   gold solution: {t['gold']!r}")
+    print(f"sample {t['sample']} of its group of {len(t['group_rewards'])} ({right} right): {t['response']!r}, "
+          f"reward R = {t['reward']:g}")
+    print(f"V_hat(s_i): mean reward of K = {t['k']} continuations from the state before step i, "
+          "± sqrt(p(1-p)/K)\ncritic: " + t["critic"])
+    print(f"{'step':>4}  {'text':22} {'V_hat(s_i)':>11} {'VinePPO A_i':>12} {'GRPO':>6} {'critic V(s_i)':>14} "
+          f"{'PPO R-V(s_t)':>13}")
+    for r in t["steps"]:
+        print(f"{r['step']:4}  {r['text']!r:22} {r['value']:5.2f} ± {r['se']:.2f} {r['vineppo']:12.2f} "
+              f"{r['grpo']:6.2f} {r['critic_value']:14.2f} {r['ppo']:13.2f}")
+    print(f"sum of A_i = {sum(r['vineppo'] for r in t['steps']):.2f} = R - V_hat(s_0); PPO R-V(s_t): GAE "
+          "(lambda = 1), the mean over the step's tokens\nadvantages before the update whitens them "
+          "(vineppo, ppo; GRPO's are used as they are)")
+
+
+def plot_trace(t, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps, x = t["steps"], range(len(t["steps"]))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    left.errorbar(x, [r["value"] for r in steps], yerr=[r["se"] for r in steps], marker="o", capsize=3,
+                  label=f"MC V_hat(s_i), K = {t['k']}, ± s.e.")
+    left.plot(x, [r["critic_value"] for r in steps], marker="s", color="C2", label="critic V(s_i)")
+    left.plot([len(steps)], [t["reward"]], "k*", markersize=10, label="reward R (at the end)")
+    left.set(xlabel="state s_i (before step i)", ylabel="value", xticks=range(len(steps) + 1))
+    left.legend(fontsize=8, loc="best")
+    methods = [("vineppo", "VinePPO A_i"), ("grpo", "GRPO"), ("ppo", "PPO: mean R - V(s_t)")]
+    for j, (key, name) in enumerate(methods):
+        right.bar([i + 0.27 * (j - 1) for i in x], [r[key] for r in steps], width=0.27, label=name,
+                  color=f"C{j}")
+    right.axhline(0, color="k", lw=0.5)
+    labels = [r["text"].strip().replace("\n", " ") for r in steps]
+    right.set(ylabel="advantage (before whitening)", xticks=list(x), xticklabels=labels)
+    right.tick_params(axis="x", labelsize=8, rotation=20)
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(f"{t['question']}  (sampled answer: reward {t['reward']:g})", fontsize=10)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DataError as e:
+        sys.exit(f"error: {e}")

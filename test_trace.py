@@ -1,0 +1,115 @@
+"""Tests of diagnose.py --trace: its numbers against hand computation on scripted samples, and the command."""
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import checkpoint
+import diagnose
+import rollout
+import value
+from reward import STOP, gsm8k_reward, load_problems
+
+PROMPT = "What is 1+2+4-1?\n"
+GOLD = "1+2=3\n3+4=7\n7-1=6\n#### 6"
+RIGHT, WRONG = "\n1+2=3\n3+4=7\n7-1=6\n#### 6", "\n1+2=3\n3+4=8\n8-1=7\n#### 7"  # the slip: 3+4=8
+GROUP = [RIGHT, WRONG, RIGHT, "\n1+2=4\n4+4=8\n8-1=7\n#### 7", RIGHT]  # rewards 1 0 1 0 1
+# K = 4 continuations of each state of WRONG, keyed by the response so far: rewards 1110, 1010, 0000
+CONTINUATIONS = {"": [RIGHT, RIGHT, RIGHT, WRONG],
+                 "\n1+2=3": ["\n3+4=7\n7-1=6\n#### 6", "\n3+4=8\n8-1=7\n#### 7"] * 2,
+                 "\n1+2=3\n3+4=8": ["\n8-1=7\n#### 7"] * 4}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny") / "model")
+    checkpoint.build_tiny_model(path, seed=0)
+    return path, AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def scripted(monkeypatch, tok, group=GROUP, continuations=CONTINUATIONS):
+    """rollout.sample replaced: k = len(group) samples the group, else the continuations of the state."""
+    prompt_len = len(diagnose.encode_prompt(tok, PROMPT))
+
+    def fake_sample(model, prefixes, k, budgets, **gen):
+        (prefix,) = prefixes
+        texts = group if k == len(group) else continuations[tok.decode(prefix[prompt_len:])]
+        conts = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
+        assert len(conts) == k
+        return [conts], [[True] * k]
+
+    monkeypatch.setattr(rollout, "sample", fake_sample)
+    return dict(temperature=0.6, top_p=0.9, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), tokenizer=tok,
+                stop=STOP)
+
+
+def grade(tok):
+    return lambda ids, ep: gsm8k_reward(tok.decode(ids, skip_special_tokens=True), ep.gold)
+
+
+def test_trace_numbers_match_hand_computation(tiny, monkeypatch):
+    _, tok, policy = tiny
+    gen = scripted(monkeypatch, tok)
+    problems = [{"prompt": PROMPT, "answer": GOLD}]
+    index, group, wrong = diagnose.first_wrong_answer(policy, problems, 5, grade(tok), gen, 64)
+    assert (index, wrong) == (0, 1) and [ep.reward for ep in group] == [1, 0, 1, 0, 1]
+    torch.manual_seed(0)
+    critic = value.Critic(policy.base_model, "scalar")
+    rows = diagnose.trace_steps(policy, critic, group, wrong, 4, gen, 64)
+    # the steps as training splits them, and nothing lost: their texts make the response
+    assert [r["text"] for r in rows] == ["\n1+2=3", "\n3+4=8", "\n8-1=7\n#### 7"]
+    assert "".join(r["text"] for r in rows) == WRONG
+    # V_hat(s_i) the mean of the K rewards, its standard error sqrt(p(1-p)/K) by hand
+    assert [r["rewards"] for r in rows] == [[1, 1, 1, 0], [1, 0, 1, 0], [0, 0, 0, 0]]
+    assert [r["value"] for r in rows] == [0.75, 0.5, 0.0]
+    assert [r["se"] for r in rows] == pytest.approx([math.sqrt(0.75 * 0.25 / 4), math.sqrt(0.5 * 0.5 / 4), 0.0])
+    # A_i = V_hat(s_{i+1}) - V_hat(s_i), + R at the last; the sum telescopes to R - V_hat(s_0)
+    assert [r["vineppo"] for r in rows] == pytest.approx([0.5 - 0.75, 0.0 - 0.5, 0.0 + 0.0 - 0.0])
+    assert sum(r["vineppo"] for r in rows) == pytest.approx(0.0 - rows[0]["value"])
+    # GRPO: (R - mean) / std of the group's rewards 1 0 1 0 1, on every step
+    assert [r["grpo"] for r in rows] == pytest.approx([(0 - 0.6) / math.sqrt(0.6 * 0.4)] * 3, abs=1e-5)
+    # the critic read at each boundary, and the mean of R - V(s_t) over the step's tokens (GAE, lambda = 1)
+    prompt, response = group[wrong].prompt_ids, group[wrong].response_ids
+    v = [diagnose.critic_value(critic, prompt, response[:t], 0) for t in range(len(response))]
+    assert len(set(round(x, 3) for x in v)) > 3  # the check below can tell the states apart
+    bounds = [0, 6, 12, len(response)]
+    assert [r["critic_value"] for r in rows] == pytest.approx([v[b] for b in bounds[:3]], abs=1e-5)
+    assert [r["ppo"] for r in rows] == pytest.approx([0.0 - sum(v[lo:hi]) / (hi - lo)
+                                                      for lo, hi in zip(bounds, bounds[1:])], abs=1e-5)
+
+
+def test_first_wrong_answer_skips_right_groups_and_says_none(tiny, monkeypatch):
+    _, tok, policy = tiny
+    gen = scripted(monkeypatch, tok, group=[RIGHT, RIGHT])
+    problems = [{"prompt": PROMPT, "answer": GOLD}, {"prompt": PROMPT, "answer": "#### 7"}]
+    index, group, wrong = diagnose.first_wrong_answer(policy, problems, 2, grade(tok), gen, 64)
+    assert (index, wrong) == (1, 0)  # all right on the first problem; wrong against the second's gold
+    assert diagnose.first_wrong_answer(policy, problems[:1], 2, grade(tok), gen, 64) is None
+
+
+def test_trace_command_end_to_end(tiny, tmp_path, capsys):
+    path, tok, policy = tiny
+    torch.manual_seed(1)
+    critic = value.Critic(policy.base_model, "tracking")
+    torch.nn.init.normal_(critic.head.weight, std=0.1)  # not the zero start: values that differ
+    checkpoint.save_checkpoint(str(tmp_path), policy, tok, critic=critic, name="tppo")
+    args = ["--trace", "--checkpoint", path, "--out", str(tmp_path), "--trace-k", "2", "--group", "2",
+            "--tries", "1", "--max-new-tokens", "12"]
+    diagnose.main(args + ["--critic-checkpoint", str(tmp_path / "tppo")])
+    printed = capsys.readouterr().out
+    assert "the tracking critic saved in" in printed and "VinePPO A_i" in printed
+    t = json.load(open(tmp_path / "trace.json"))
+    steps = t["steps"]
+    assert t["reward"] == 0 and "".join(r["text"] for r in steps) == t["response"]  # random weights: wrong
+    assert sum(r["vineppo"] for r in steps) == pytest.approx(t["reward"] - steps[0]["value"])
+    # the critic shown is the saved one: its V(s_0), read here from the prompt alone
+    saved = checkpoint.load_critic(str(tmp_path / "tppo"), "cpu")
+    prompt = diagnose.encode_prompt(tok, load_problems("arith", "test")[t["problem"]]["prompt"])
+    assert steps[0]["critic_value"] == pytest.approx(diagnose.critic_value(saved, prompt, [], 0), abs=1e-5)
+    assert steps[0]["critic_value"] != pytest.approx(0.5, abs=1e-3)  # not the zero-initialised head's
+    diagnose.main(args)  # no critic anywhere: the untrained one, said so
+    assert "UNTRAINED" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no critic/ inside"):
+        diagnose.main(args + ["--critic-checkpoint", path])
