@@ -25,8 +25,8 @@ LATEX_NAMES = {"\\pi": " pi ", "\\infty": " oo ", "\\cdot": "*", "\\times": "*",
 
 def normalize(answer: str) -> str:
     s = str(answer).strip().replace("\n", "").rstrip(".").replace("\\!", "")
-    if s.startswith("\\text{") and s.endswith("}"):
-        s = s[len("\\text{"):-1]
+    if re.match(r"\\(text|mbox)\{", s) and s.endswith("}"):  # the reference deleted a whole \mbox{Saturday}
+        s = s[s.index("{") + 1:-1]
     s = re.sub(r"\\[tdc]frac", r"\\frac", s).replace("\\left", "").replace("\\right", "")
     without_unit = re.sub(r"\\text{.*?}$", "", s).strip()  # '5\text{ cm}' -> '5'
     s = without_unit if without_unit else s
@@ -152,7 +152,8 @@ def matrix_rows(s: str) -> list[list[str]] | None:
 def answers_match(preds: list[str], golds: list[str]) -> bool:
     """The reference's eval_math: repeats dropped, the last len(golds) predictions kept (a model may box
     an intermediate result first); each side's answers all matched by the other's."""
-    golds, preds = list(dict.fromkeys(golds)), list(dict.fromkeys(preds))[-len(golds):] if golds else []
+    golds = list(dict.fromkeys(g for g in golds if g))  # an empty gold (two '\\boxed{}' in MATH) matches nothing
+    preds = list(dict.fromkeys(preds))[-len(golds):] if golds else []
     if not golds or not preds:
         return False
     if len(preds) == len(golds) == 1:

@@ -126,6 +126,17 @@ def load_problems(data: str, split: str, steps: str = "2-5", slip: float = 0.0) 
     return [{**p, "prompt": template.format(question=p["question"].strip())} for p in problems]
 
 
+def is_math_data(data: str) -> bool:
+    """--data math, or a .jsonl whose first row has MATH's fields (read in full, and checked, when loaded)."""
+    if not data.endswith(".jsonl"):
+        return data == "math"
+    try:
+        with open(data, encoding="utf-8-sig") as f:
+            return "problem" in json.loads(next((line for line in f if line.strip()), "{}"))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        return False
+
+
 def hub_problems(data: str, repo: str, config: str | None, split: str, check, offline_format: str):
     from datasets import load_dataset  # imported here: the offline demo never needs it
     try:
@@ -190,6 +201,7 @@ def is_math(problems: list[dict]) -> bool:
 def boxed_answers(text: str) -> list[str]:
     """The content of every brace-matched \\boxed{...}, with a '%' written just after it."""
     answers = []
+    text = re.sub(r"\\boxed ([^${}\n]+)", r"\\boxed{\1}", text)  # '\\boxed 2$': the reference found none
     for piece in text.split("boxed{")[1:]:
         depth = 0
         for i, char in enumerate(piece):

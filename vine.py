@@ -192,7 +192,7 @@ def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k:
     distinct state once, graded with its prefix (reference pitfall 4); -> (states, tokens generated)."""
     unique = {}  # state tokens -> (episode, boundary)
     for e, ep in enumerate(episodes):
-        for b in ep.step_starts[:max_states or None]:  # 0: no cap
+        for b in ep.step_starts[:max_states or None]:
             unique.setdefault(tuple(ep.prompt_ids + ep.response_ids[:b]), (e, b))
     keys = list(unique)
     budgets = [max_new_tokens - unique[key][1] for key in keys]
@@ -203,8 +203,9 @@ def mc_values(model, episodes: list[rollout.Episode], cache, rows: list[int], k:
         e, b = unique[key]
         ep = episodes[e]
         value[key] = sum(grade(ep.response_ids[:b] + c, ep) if f else 0.0 for c, f in zip(cs, fs)) / k
+    capped = lambda i: max_states and i >= max_states  # max_states 0: no cap
     for ep in episodes:
-        ep.values = [value.get(tuple(ep.prompt_ids + ep.response_ids[:b])) if i < (max_states or i + 1) else None
+        ep.values = [None if capped(i) else value.get(tuple(ep.prompt_ids + ep.response_ids[:b]))
                      for i, b in enumerate(ep.step_starts)]
     return len(keys), sum(len(c) for cs in conts for c in cs)
 
