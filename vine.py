@@ -54,7 +54,7 @@ def decoded_pieces(tok, ids: list[int]) -> list[str]:
 def response_step_starts(tok, response_ids: list[int], math: bool = False) -> list[int]:
     """By GSM8K's rule (one line a step), or by MATH's (math: sentences and lines, LaTeX kept whole)."""
     pieces = decoded_pieces(tok, response_ids)
-    return token_steps(pieces, math_step_offsets("".join(pieces))[1:]) if math else step_starts(pieces)
+    return token_steps(pieces, math_step_offsets("".join(pieces))[1:-1]) if math else step_starts(pieces)
 
 
 # ---- MATH's steps (reference: tasks/math_extract_steps_inplace.py split_solution_inplace) ------------------
