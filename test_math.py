@@ -16,7 +16,7 @@ import math_grader
 import train
 import vine
 from reward import DataError, is_math, math_answers, math_reward, read_jsonl
-from test_realpath import llama_style_tokenizer
+from test_realpath import SMALL, llama_style_tokenizer  # SMALL: two iterations, tiny sizes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE_PATH = os.path.join(HERE, "fixtures", "math_sample.jsonl")
@@ -35,11 +35,12 @@ def graded(pred: str, gold: str, problem: str = "") -> float:
 
 @pytest.mark.parametrize("pred, gold, problem, right", [
     ("\\frac{1}{2}", "0.5", "", 1), ("\\dfrac12", "0.5", "", 1), ("\\tfrac{2}{4}", "\\frac{1}{2}", "", 1),
-    ("1/2", "\\frac12", "", 1), ("\\frac{3}{57}", "\\frac{3}{56}", "", 0), ("\\frac{31}{5}", "6\\frac{1}{5}", "", 1),
+    ("1/2", "\\frac12", "", 1), ("\\frac{3}{57}", "\\frac{3}{56}", "", 0),
+    ("\\frac{31}{5}", "6\\frac{1}{5}", "", 1),
     ("\\frac{1}{3}", "0.333", "", 1), ("\\frac{1}{3}", "0.33", "", 0),                        # fractions
     ("5\\text{ cm}", "5", "", 1), ("5\\mbox{ cm}", "5", "", 1), ("12\\text{ inches}", "13", "", 0),  # units
     ("90^\\circ", "90", "", 1), ("90^{\\circ}", "90", "", 1), ("45^\\circ", "90", "", 0),       # degrees
-    ("10\\%", "10", "", 1), ("10\\%", "0.1", "", 1), ("10", "10\\%", "", 1), ("0.1", "10", "", 0),  # percentages
+    ("10\\%", "10", "", 1), ("10\\%", "0.1", "", 1), ("10", "10\\%", "", 1), ("0.1", "10", "", 0),  # percent
     ("10", "0.1", "", 0), ("x=5", "5", "", 1), ("5", "x=5", "", 1), ("x=6", "5", "", 0),       # x = 5
     ("y=2x+1", "y=1+2x", "", 1), ("2x+1=y", "y=2x+1", "", 1), ("y=2x-1", "y=2x+1", "", 0),
     ("(1, 2)", "(1,2)", "", 1), ("(2,1)", "(1,2)", "", 0), ("(0.5,3)", "\\left(\\frac12, 3\\right)", "", 1),
@@ -56,7 +57,8 @@ def graded(pred: str, gold: str, problem: str = "") -> float:
     ("-11+27i", "27i-11", "", 1), ("2\\cdot 3", "6", "", 1), ("2\\cdot 3", "23", "", 0),
     ("3, 2", "2,3", LIST, 1), ("3,-2", "-2, 3", LIST, 1), ("3,2", "2,3", "", 0), ("2,4", "2,3", LIST, 0),
     ("3\\text{ and }2", "2\\text{ and }3", "", 1),                                             # unordered lists
-    ("1,\\!000", "1000", "", 1), ("11{,}111{,}111{,}101", "11111111100", "", 0), ("0.0000673", "0.0000672", "", 0),
+    ("1024", "2^{10}", "", 1), ("2^{10}", "1000", "", 0), ("1,\\!000", "1000", "", 1),
+    ("11111111101", "11111111100", "", 0), ("0.0000673", "0.0000672", "", 0),                   # numbers
     ("\\text{east}", "\\text{east}", "", 1), ("\\text{(C)}", "\\text{(D)}", "", 0), ("East", "west", "", 0),
 ])
 def test_hand_written_equivalences(pred, gold, problem, right):
@@ -81,7 +83,8 @@ def test_the_references_extraction_fallbacks():
 def test_every_fixture_gold_grades_one_and_a_changed_answer_zero():
     for row in FIXTURE:
         assert math_reward(row["solution"], row["solution"], row["problem"]) == 1.0, row["unique_id"]
-        assert math_reward(changed_answer(row["solution"]), row["solution"], row["problem"]) == 0.0, row["unique_id"]
+        changed = changed_answer(row["solution"])
+        assert math_reward(changed, row["solution"], row["problem"]) == 0.0, row["unique_id"]
 
 
 @needs_math500
@@ -112,7 +115,8 @@ def changed_answer(solution: str) -> str:
 @pytest.mark.parametrize("answer", [
     "9^{9^{9^{9}}}", "(10^{999})^{999}", "10^{10^{10}}", "99999!", "2^{100000}", "x^{y^{z}}", "\\frac{" * 200,
     "__import__('os').system('echo hi')", "().__class__", "a.b.c", "\\sqrt{" * 50 + "2" + "}" * 50, "x" * 5000,
-    "\\begin{pmatrix}" + "1&" * 300 + "\\end{pmatrix}", "(" * 300 + ")" * 300, "\\frac{1}{0}", "0^{-1}", "\ud800",
+    "\\begin{pmatrix}" + "1&" * 300 + "\\end{pmatrix}", "(" * 300 + ")" * 300, "\\frac{1}{0}", "0^{-1}",
+    "\ud800",
 ])
 def test_hostile_answers_grade_zero_quickly(answer):
     start = time.perf_counter()
@@ -163,7 +167,8 @@ def check_steps(text: str) -> list[int]:
     for b in bounds[1:-1]:
         for lo, hi in (span for span in spans if span[0] < b < span[1]):
             multi_line = "\n" in text[lo:hi]
-            assert re.search(math_cut, text[:b]) or multi_line and (text[b] == "\n" or re.search(prose_cut, text[:b]))
+            at_prose_cut = text[b] == "\n" or re.search(prose_cut, text[:b])
+            assert re.search(math_cut, text[:b]) or multi_line and at_prose_cut
     return bounds
 
 
@@ -212,10 +217,10 @@ def test_math_jsonl_read_by_its_fields_and_errors_name_file_and_line(tmp_path):
     assert len(problems) == 17 and is_math(problems)
     assert problems[0] == {"question": FIXTURE[0]["problem"], "answer": FIXTURE[0]["solution"], "math": True}
     bad = tmp_path / "bad.jsonl"
-    for content, message in [('{"problem": "p", "solution": "$\\\\boxed{1}$"}\n{"problem": "q"}\n',
-                              "bad.jsonl:2: missing or empty string field 'solution'"),
-                             ('{"problem": "p", "solution": "no answer at all"}\n', "bad.jsonl:1: 'solution' has no"),
-                             ('{"problem": "p", "solution": "$\\\\boxed{1}$"}\n[1]\n', "bad.jsonl:2: expected a JSON")]:
+    good = '{"problem": "p", "solution": "$\\\\boxed{1}$"}\n'
+    for content, message in [(good + '{"problem": "q"}\n', "bad.jsonl:2: missing or empty string field"),
+                             ('{"problem": "p", "solution": "no answer"}\n', "bad.jsonl:1: 'solution' has no"),
+                             (good + "[1]\n", "bad.jsonl:2: expected a JSON object")]:
         bad.write_text(content)
         with pytest.raises(DataError, match=re.escape(message)):
             read_jsonl(str(bad))
@@ -228,7 +233,7 @@ def test_math_settings_apply_where_the_user_sets_nothing():
     assert paper.model == checkpoint.MATH_ALIASES["rho-math-1.1b"] == "realtreetune/rho-1b-sft-MATH"
     assert (paper.iterations, paper.max_value_states, paper.eval_samples) == (1000, 0, 16)
     gsm8k = train.parse_args(["--model", "rho-math-1.1b", "--data", "gsm8k"])
-    assert (gsm8k.model, gsm8k.iterations, gsm8k.max_value_states) == ("rho-math-1.1b", 650, 26)  # GSM8K's alias
+    assert (gsm8k.model, gsm8k.iterations, gsm8k.max_value_states) == ("rho-math-1.1b", 650, 26)  # as before
     mine = train.parse_args(["--data", FIXTURE_PATH, "--max-value-states", "5", "--iterations", "3"])
     assert (mine.iterations, mine.max_value_states, mine.sft_steps) == (3, 5, 1500)  # and the demo's settings
     assert train.parse_args(["--data", FIXTURE_PATH]).max_value_states == 0
@@ -243,15 +248,13 @@ def test_help_names_the_math_defaults(capsys):
 
 def test_offline_math_data_fails_in_one_line(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--model", "rho-math-1.1b", "--data", "math",
-                        "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    args = ["--model", "rho-math-1.1b", "--data", "math", "--out", str(tmp_path)]
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], env=env, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert r.stderr.startswith("error: --data math: cannot load ") and "problem" in r.stderr
 
 
-SMALL = ["--iterations", "2", "--prompts-per-iter", "4", "--samples-per-prompt", "2", "--mc-rollouts", "2",
-         "--minibatch", "4", "--micro-batch", "2", "--max-new-tokens", "24", "--eval-problems", "4",
-         "--eval-samples", "1", "--eval-every", "1", "--save-every", "1", "--sft-steps", "3", "--sft-batch", "4"]
 
 
 @pytest.mark.parametrize("algo", ["vineppo", "ppo", "tppo", "grpo"])
