@@ -3,7 +3,7 @@
 differences listed in the README. Not needed to read the algorithm: reward.math_reward calls `answers_match`.
 
     normalize(answer)           string clean-up: \\dfrac -> \\frac, units, degrees, \\left, spaces, ...
-    math_equal(pred, gold)      strings, then numbers within 1e-3, tuples and intervals, matrices, 'x=5',
+    math_equal(pred, gold)      strings, then close numbers, tuples and intervals, matrices, 'x=5',
                                 then sympy (time-limited; any parser error is 'not equal')
     answers_match(preds, golds) every prediction matches a gold answer and every gold one a prediction
 """
@@ -154,22 +154,17 @@ def answers_match(preds: list[str], golds: list[str]) -> bool:
     an intermediate result first); each side's answers all matched by the other's."""
     golds = list(dict.fromkeys(g for g in golds if g))  # an empty gold (two '\\boxed{}' in MATH) matches nothing
     preds = list(dict.fromkeys(preds))[-len(golds):] if golds else []
-    if not golds or not preds:
-        return False
-    if len(preds) == len(golds) == 1:
-        return answer_equal(preds[0], golds[0])
-    hits = [(i, j) for i, p in enumerate(preds) for j, g in enumerate(golds) if answer_equal(p, g)]
-    return {i for i, _ in hits} == set(range(len(preds))) and {j for _, j in hits} == set(range(len(golds)))
+    return bool(golds and preds) and all_matched(preds, golds, answer_equal)
 
 
 def answer_equal(pred: str, gold: str) -> bool:
     if "\\cup" in pred and "\\cup" in gold:  # unions of intervals, as sets of intervals
-        return answers_match_unordered(pred.split("\\cup"), gold.split("\\cup"))
+        return all_matched(pred.split("\\cup"), gold.split("\\cup"), math_equal)
     return math_equal(pred, gold)
 
 
-def answers_match_unordered(preds: list[str], golds: list[str]) -> bool:
-    hits = [(i, j) for i, p in enumerate(preds) for j, g in enumerate(golds) if math_equal(p, g)]
+def all_matched(preds: list[str], golds: list[str], equal) -> bool:
+    hits = [(i, j) for i, p in enumerate(preds) for j, g in enumerate(golds) if equal(p, g)]
     return {i for i, _ in hits} == set(range(len(preds))) and {j for _, j in hits} == set(range(len(golds)))
 
 

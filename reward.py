@@ -71,13 +71,18 @@ def arith_dataset(n: int, seed: int, steps: tuple[int, int] = (2, 5), slip: floa
     return [arith_problem(rng, *steps, slip) for _ in range(n)]
 
 
-def check_problem(row, where: str) -> dict:
+def check_fields(row, where: str, fields: tuple[str, str]):
+    """A JSON object with these two non-empty string fields, or a DataError naming where it is not."""
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object with 'question' and 'answer', "
+        raise DataError(f"{where}: expected a JSON object with '{fields[0]}' and '{fields[1]}', "
                         f"got {type(row).__name__}")
-    for field in ("question", "answer"):
+    for field in fields:
         if not isinstance(row.get(field), str) or not row[field].strip():
             raise DataError(f"{where}: missing or empty string field '{field}'")
+
+
+def check_problem(row, where: str) -> dict:
+    check_fields(row, where, ("question", "answer"))
     if not re.fullmatch(r"-?[0-9][0-9,]*(\.[0-9]+)?", extract_answer(row["answer"]) or ""):
         raise DataError(f"{where}: 'answer' has no final '#### <number>' line")
     return {"question": row["question"], "answer": row["answer"]}
@@ -179,12 +184,7 @@ MATH_HUB = {"train": "zzy1123/MATH_train_test_split", "test": "HuggingFaceH4/MAT
 
 def check_math_problem(row, where: str) -> dict:
     """A MATH problem as the rest of the code reads one: 'question' = problem, 'answer' = gold solution."""
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object with 'problem' and 'solution', "
-                        f"got {type(row).__name__}")
-    for field in ("problem", "solution"):
-        if not isinstance(row.get(field), str) or not row[field].strip():
-            raise DataError(f"{where}: missing or empty string field '{field}'")
+    check_fields(row, where, ("problem", "solution"))
     if not math_answers(row["solution"], row["problem"]):
         raise DataError(f"{where}: 'solution' has no final answer (a \\boxed{{...}})")
     return {"question": row["problem"], "answer": row["solution"], "math": True}
