@@ -201,7 +201,7 @@ def is_math(problems: list[dict]) -> bool:
 def boxed_answers(text: str) -> list[str]:
     """The content of every brace-matched \\boxed{...}, with a '%' written just after it."""
     answers = []
-    text = re.sub(r"\\boxed ([^${}\n]+)", r"\\boxed{\1}", text)  # '\\boxed 2$': the reference found none
+    text = re.sub(r"\\boxed ([^${}\n]+)", r"\\boxed{\1}", text)  # '\boxed 2$': the reference found none
     for piece in text.split("boxed{")[1:]:
         depth = 0
         for i, char in enumerate(piece):
