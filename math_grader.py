@@ -152,7 +152,7 @@ def matrix_rows(s: str) -> list[list[str]] | None:
 def answers_match(preds: list[str], golds: list[str]) -> bool:
     """The reference's eval_math: repeats dropped, the last len(golds) predictions kept (a model may box
     an intermediate result first); each side's answers all matched by the other's."""
-    golds = list(dict.fromkeys(g for g in golds if g))  # an empty gold (two '\\boxed{}' in MATH) matches nothing
+    golds = list(dict.fromkeys(g for g in golds if g))  # an empty gold ('\\boxed{}', twice in MATH): no match
     preds = list(dict.fromkeys(preds))[-len(golds):] if golds else []
     return bool(golds and preds) and all_matched(preds, golds, answer_equal)
 

@@ -124,8 +124,10 @@ def test_hostile_answers_grade_zero_quickly(answer):
     assert time.perf_counter() - start < 2 * math_grader.SYMPY_SECONDS + 5  # a bound, not a timing claim
 
 
-@given(st.text(alphabet=st.sampled_from(list("0123456789+-*/^=.,()[]{}$%!xyzi\\ \nboxedfracsqrtpi")), max_size=60),
-       st.text(max_size=40))
+LATEXISH = st.sampled_from(list("0123456789+-*/^=.,()[]{}$%!xyzi\\ \nboxedfracsqrtpi"))
+
+
+@given(st.text(alphabet=LATEXISH, max_size=60), st.text(max_size=40))
 @settings(max_examples=300, deadline=None)
 def test_grader_and_splitter_take_any_text(latexish, anything):
     for completion in (latexish, "$\\boxed{" + latexish + "}$", anything):
@@ -258,11 +260,11 @@ def test_help_names_the_math_defaults(capsys):
 
 
 def test_offline_math_data_fails_in_one_line(monkeypatch):
-    """The hub's failure in one line (the same code as GSM8K's, whose real offline run test_realpath.py checks)."""
+    """The hub's failure in one line (GSM8K's code, whose real offline run test_realpath.py checks)."""
     import datasets
 
     def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'HuggingFaceH4/MATH-500' on the Hub (LocalEntryNotFoundError)\nmore")
+        raise ConnectionError("Couldn't reach 'HuggingFaceH4/MATH-500' on the Hub (LocalEntryNotFound)\nmore")
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError) as error:
         load_problems("math", "test")
