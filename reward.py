@@ -1,7 +1,11 @@
-"""GSM8K-format problems ("answer" ends in "#### N") from the hub, a .jsonl file or the built-in "arith"."""
+"""GSM8K-format problems ("answer" ends in "#### N") from the hub, a .jsonl file or the built-in "arith";
+MATH problems ("problem", "solution" with a \\boxed{} answer), graded up to equivalence by math_grader.py."""
+import functools
 import json
 import random
 import re
+
+import math_grader
 
 PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the reference's prompt, no trailing space
 ARITH_PROMPT = "{question}\n"  # the built-in task's: a tiny model has no use for 35 characters of template
@@ -67,13 +71,18 @@ def arith_dataset(n: int, seed: int, steps: tuple[int, int] = (2, 5), slip: floa
     return [arith_problem(rng, *steps, slip) for _ in range(n)]
 
 
-def check_problem(row, where: str) -> dict:
+def check_fields(row, where: str, fields: tuple[str, str]):
+    """A JSON object with these two non-empty string fields, or a DataError naming where it is not."""
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object with 'question' and 'answer', "
+        raise DataError(f"{where}: expected a JSON object with '{fields[0]}' and '{fields[1]}', "
                         f"got {type(row).__name__}")
-    for field in ("question", "answer"):
+    for field in fields:
         if not isinstance(row.get(field), str) or not row[field].strip():
             raise DataError(f"{where}: missing or empty string field '{field}'")
+
+
+def check_problem(row, where: str) -> dict:
+    check_fields(row, where, ("question", "answer"))
     if not re.fullmatch(r"-?[0-9][0-9,]*(\.[0-9]+)?", extract_answer(row["answer"]) or ""):
         raise DataError(f"{where}: 'answer' has no final '#### <number>' line")
     return {"question": row["question"], "answer": row["answer"]}
@@ -93,7 +102,9 @@ def read_jsonl(path: str) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); expected one object per line") from None
-        problems.append(check_problem(row, f"{path}:{i}"))
+        if not problems:  # the first row's fields choose the format: MATH's problem/solution, or GSM8K's
+            check = check_math_problem if isinstance(row, dict) and "problem" in row else check_problem
+        problems.append(check(row, f"{path}:{i}"))
     if not problems:
         raise DataError(f"{path}: no problems found; expected JSON lines with 'question' and 'answer'")
     return problems
@@ -109,18 +120,36 @@ def load_problems(data: str, split: str, steps: str = "2-5", slip: float = 0.0) 
     elif data.endswith(".jsonl"):
         problems = read_jsonl(data)
     elif data == "gsm8k":
-        from datasets import load_dataset  # imported here: the offline demo never needs it
-        try:
-            rows = load_dataset("openai/gsm8k", "main", split=split)
-        except Exception as e:  # offline, hub and cache errors all end here: one line, not a traceback
-            raise DataError(f"--data gsm8k: cannot load openai/gsm8k from the hub ({first_line(e)}); "
-                            "offline, point --data and --eval-data at local .jsonl files in GSM8K's format, "
-                            "one {\"question\": ..., \"answer\": ...} object per line") from None
-        problems = [check_problem(r, f"openai/gsm8k[{split}][{i}]") for i, r in enumerate(rows)]
+        problems = hub_problems("gsm8k", "openai/gsm8k", "main", split, check_problem, "GSM8K's format, one "
+                                "{\"question\": ..., \"answer\": ...} object per line")
+    elif data == "math":
+        problems = hub_problems("math", MATH_HUB[split], None, split, check_math_problem, "MATH's format, one "
+                                "{\"problem\": ..., \"solution\": ...} object per line (PRM800K's math_splits)")
     else:
-        raise DataError(f"--data {data!r}: expected 'arith', 'gsm8k' or a path ending in .jsonl")
+        raise DataError(f"--data {data!r}: expected 'arith', 'gsm8k', 'math' or a path ending in .jsonl")
     template = ARITH_PROMPT if data == "arith" else PROMPT
     return [{**p, "prompt": template.format(question=p["question"].strip())} for p in problems]
+
+
+def is_math_data(data: str) -> bool:
+    """--data math, or a .jsonl whose first row has MATH's fields (read in full, and checked, when loaded)."""
+    if not data.endswith(".jsonl"):
+        return data == "math"
+    try:
+        with open(data, encoding="utf-8-sig") as f:
+            return "problem" in json.loads(next((line for line in f if line.strip()), "{}"))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        return False
+
+
+def hub_problems(data: str, repo: str, config: str | None, split: str, check, offline_format: str):
+    from datasets import load_dataset  # imported here: the offline demo never needs it
+    try:
+        rows = load_dataset(repo, config, split=split)
+    except Exception as e:  # offline, hub and cache errors all end here: one line, not a traceback
+        raise DataError(f"--data {data}: cannot load {repo} from the hub ({first_line(e)}); offline, point "
+                        f"--data and --eval-data at local .jsonl files in {offline_format}") from None
+    return [check(r, f"{repo}[{split}][{i}]") for i, r in enumerate(rows)]
 
 
 def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world: int = 1) -> list[dict]:
@@ -146,3 +175,74 @@ def sft_example(tok, prompt: str, answer: str) -> tuple[list[int], int]:
     else:
         response = tok(target, add_special_tokens=False).input_ids
     return prompt_ids + response + [tok.eos_token_id], len(prompt_ids)
+
+
+# ---- MATH (Hendrycks et al. 2021): the answer in \\boxed{}, graded up to equivalence ------------------
+# PRM800K's split (the reference's): train on the 12,000 problems outside MATH-500, test on MATH-500
+MATH_HUB = {"train": "zzy1123/MATH_train_test_split", "test": "HuggingFaceH4/MATH-500"}
+
+
+def check_math_problem(row, where: str) -> dict:
+    """A MATH problem as the rest of the code reads one: 'question' = problem, 'answer' = gold solution."""
+    check_fields(row, where, ("problem", "solution"))
+    if not math_answers(row["solution"], row["problem"]):
+        raise DataError(f"{where}: 'solution' has no final answer (a \\boxed{{...}})")
+    return {"question": row["problem"], "answer": row["solution"], "math": True}
+
+
+def is_math(problems: list[dict]) -> bool:
+    """True for MATH problems, False for GSM8K's format (arith too); one format for training and evaluation."""
+    if len({bool(p.get("math")) for p in problems}) > 1:
+        raise DataError("--data and --eval-data: one holds MATH problems (problem/solution), the other GSM8K's "
+                        "(question/answer); they are graded differently, so give both in one format")
+    return bool(problems) and bool(problems[0].get("math"))
+
+
+def boxed_answers(text: str) -> list[str]:
+    """The content of every brace-matched \\boxed{...}, with a '%' written just after it."""
+    answers = []
+    text = re.sub(r"\\boxed ([^${}\n]+)", r"\\boxed{\1}", text)  # '\boxed 2$': the reference found none
+    for piece in text.split("boxed{")[1:]:
+        depth = 0
+        for i, char in enumerate(piece):
+            depth += {"{": 1, "}": -1}.get(char, 0)
+            if depth < 0:  # the reference kept '...}' instead of '...%' here
+                answers.append(piece[:i] + ("%" if piece[i + 1: i + 2] == "%" else ""))
+                break
+    return answers
+
+
+def math_answers(text: str, problem: str = "") -> list[str]:
+    """The reference's extract_math_answer, normalized: 'The final answer is $X$. I hope', else every
+    \\boxed{}, else what follows 'he answer is', else an ```output block, else the last number; first line
+    only. Split into several answers at commas when the problem asks for a list, and at '\\text{ and }'."""
+    if "final answer is $" in text and "$. I hope" in text:
+        found = [text.split("final answer is $", 1)[1].split("$. I hope", 1)[0]]
+    elif "boxed" in text:
+        found = boxed_answers(text)
+    elif "he answer is" in text:
+        found = [text.split("he answer is")[-1]]
+    elif "```output" in text and text.split("```output")[-1].split("```")[0].strip():
+        found = [text.split("```output")[-1].split("```")[0]]
+    else:
+        found = re.findall(r"-?\d*\.?\d+", text.replace(",", ""))[-1:]
+    answers = []
+    for answer in found:
+        answer = math_grader.normalize(answer.strip().split("\n")[0].lstrip(":").rstrip(".").rstrip("/"))
+        if "separated by commas" in problem and not any(c in answer for c in "()[]"):
+            answers += [a.strip() for a in answer.split(",")]
+        else:
+            answers += [a.strip() for a in re.split(r"\\text\{\s*and\s*\}", answer)]
+    return answers
+
+
+@functools.lru_cache(maxsize=20_000)
+def gold_math_answers(solution: str, problem: str) -> tuple[str, ...]:
+    return tuple(math_answers(solution, problem))
+
+
+def math_reward(completion: str, gold_solution: str, problem: str = "") -> float:
+    """1.0 iff the completion's answers match those of the gold solution, extracted the same way (the
+    reference's eval_math; `problem` matters only when it asks for a list 'separated by commas')."""
+    return float(math_grader.answers_match(math_answers(completion, problem),
+                                           list(gold_math_answers(gold_solution, problem))))

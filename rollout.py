@@ -32,6 +32,7 @@ class Episode:
     ref_logp: torch.Tensor | None = None                   # [T] log-probs under the reference
     old_values: torch.Tensor | None = None                 # [T] critic's V(s_t) before each token
     returns: torch.Tensor | None = None                    # [T] critic's regression targets
+    question: str = ""                                     # the problem (MATH's grader reads it)
 
 
 def pad_id(tok) -> int:
@@ -192,7 +193,7 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
 def sample_episodes(model, problems: list[dict], k: int, grade, *, max_new_tokens: int, **gen) -> list[Episode]:
     """k responses to each problem, graded: grade(response_ids, episode) -> reward (0 if unfinished)."""
     conts, done = sample(model, [p["prompt_ids"] for p in problems], k, [max_new_tokens] * len(problems), **gen)
-    episodes = [Episode(p["prompt_ids"], c, p["answer"], group, f)
+    episodes = [Episode(p["prompt_ids"], c, p["answer"], group, f, question=p["question"])
                 for group, (p, cs, fs) in enumerate(zip(problems, conts, done)) for c, f in zip(cs, fs)]
     for ep in episodes:
         ep.reward = grade(ep.response_ids, ep) if ep.finished else 0.0

@@ -740,7 +740,7 @@ def test_bad_setting_gives_one_line_error(capsys, args, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--data", "nope"], "--data 'nope': expected 'arith', 'gsm8k' or a path ending in .jsonl"),
+    (["--data", "nope"], "--data 'nope': expected 'arith', 'gsm8k', 'math' or a path ending in .jsonl"),
     (["--data", "missing.jsonl"], "missing.jsonl: cannot read"),
     (["--model", "no/such-model-here"], "--model 'no/such-model-here': cannot load it"),
     (["--model", "./no-such-dir"], "--model './no-such-dir': no such directory"),

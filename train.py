@@ -2,6 +2,7 @@
 
     python train.py                                        # offline demo: tiny model, arithmetic chains
     python train.py --model rho-math-1.1b --data gsm8k     # the paper's setting (GPU, hub access)
+    python train.py --model rho-math-1.1b --data math      # the paper's MATH row (its own SFT checkpoint)
     torchrun --nproc_per_node 8 train.py --model rho-math-1.1b --data gsm8k   # 8 GPUs, DDP
 
 One iteration (VinePPO, Algorithm 1): draw prompts -> sample and grade responses -> old log-probs,
@@ -27,7 +28,7 @@ import rollout
 import start
 import value
 import vine
-from reward import STOP, DataError, gsm8k_reward
+from reward import STOP, DataError, gsm8k_reward, math_reward
 
 
 def arg(default, help, valid=None):
@@ -47,7 +48,8 @@ STEPS = (lambda v: re.fullmatch(r"[1-8]-[1-8]", v) and v[0] <= v[2], "MIN-MAX, 1
 class Config:
     """Defaults follow the reference's rho-1.1B GSM8K run; DEMO below overrides a few for --model tiny."""
     model: str = arg("tiny", "'tiny' (built offline), 'rho-math-1.1b', or any HF model id / local path")
-    data: str = arg("arith", "'arith' (built-in task), 'gsm8k' (hub), or a .jsonl file with question/answer")
+    data: str = arg("arith", "'arith' (built-in), 'gsm8k', 'math' (hub), or a .jsonl of question/answer "
+                             "(GSM8K) or problem/solution (MATH)")
     eval_data: str = arg("", "held-out problems; default: the test split of --data (for .jsonl: the same file)")
     out: str = arg("out", "output directory: metrics.jsonl, samples.jsonl, checkpoint/")
     algo: str = arg("vineppo", "vineppo | ppo (critic) | tppo (tracking critic) | grpo", one_of(*ppo.ALGOS))
@@ -56,7 +58,8 @@ class Config:
     prompts_per_iter: int = arg(64, "problems sampled per iteration", at_least(1))
     samples_per_prompt: int = arg(8, "responses sampled per problem", at_least(1))
     mc_rollouts: int = arg(9, "K: continuations per state for the MC value", at_least(1))
-    max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); later: the return", at_least(1))
+    max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); later: the return; 0: all",
+                                at_least(0))
     value_head: str = arg("", "ppo/tppo critic head: scalar | tracking | bce (default: scalar, tppo: tracking)",
                           one_of("", *value.HEADS))
     critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)", at_least(0))
@@ -107,17 +110,26 @@ DEMO = dict(iterations=20, prompts_per_iter=32, samples_per_prompt=8, mc_rollout
             sft_batch=16, sft_lr=1e-3, arith_slip=0.25, max_batch_tokens=32768, critic_lr=1e-4)
 
 
+# The reference's MATH run where it differs from GSM8K's, for --data math or a .jsonl of MATH problems.
+MATH = dict(iterations=1000, max_value_states=0)
+PRESETS = ((DEMO, "in the demo (--model tiny)"), (MATH, "with MATH data"))
+
+
 def parse_args(argv=None) -> Config:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)  # one line, no usage
     for f in dataclasses.fields(Config):
         kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
-        default = f"{DEMO[f.name]} in the demo (--model tiny), else {f.default}" if f.name in DEMO \
-            else f.default
+        by_preset = [f"{preset[f.name]} {when}" for preset, when in PRESETS if f.name in preset]
+        default = ", ".join(by_preset + [f"else {f.default}"]) if by_preset else f.default
         shown = f" (default: {default})" if default != "" else ""  # "" defaults are explained in the help
         p.add_argument("--" + f.name.replace("_", "-"), default=None, help=f.metadata["help"] + shown, **kind)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
-    cfg = Config(**{**(DEMO if given.get("model", Config.model) == "tiny" else {}), **given})
+    math_data = reward.is_math_data(given.get("data", Config.data))
+    tiny = given.get("model", Config.model) == "tiny"
+    cfg = Config(**{**(MATH if math_data else {}), **(DEMO if tiny else {}), **given})
+    if math_data:  # the reference's SFT checkpoint for MATH
+        cfg.model = checkpoint.MATH_ALIASES.get(cfg.model, cfg.model)
     for f in dataclasses.fields(Config):  # every setting against its rule, once, before any work
         v, (test, expected) = getattr(cfg, f.name), f.metadata["valid"] or (lambda v: True, "")
         if (isinstance(v, float) and not math.isfinite(v)) or not test(v):
@@ -135,7 +147,10 @@ def main(cfg: Config):
     # sampling settings shared by rollouts, MC continuations and evaluation; the reference's stop string
     gen = dict(top_p=cfg.top_p, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), tokenizer=tok, stop=STOP,
                max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens)
-    grade = lambda response_ids, ep: gsm8k_reward(tok.decode(response_ids, skip_special_tokens=True), ep.gold)
+    math_task = reward.is_math(train_set + eval_set)  # MATH's grader and steps, or GSM8K's
+    score = (lambda text, ep: math_reward(text, ep.gold, ep.question)) if math_task else \
+        (lambda text, ep: gsm8k_reward(text, ep.gold))
+    grade = lambda response_ids, ep: score(tok.decode(response_ids, skip_special_tokens=True), ep)
     evaluate = lambda it: rollout.evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, it)
     critic_model = critic and critic.model
     if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
@@ -151,7 +166,7 @@ def main(cfg: Config):
             episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, grade,
                                                temperature=cfg.temperature, **gen)
         for ep in episodes:
-            ep.step_starts = vine.response_step_starts(tok, ep.response_ids)
+            ep.step_starts = vine.response_step_starts(tok, ep.response_ids, math=math_task)
         clock.append(time.time())
         # 4-5. old log-probs and, from the same forward pass, the values (its KV cache holds every state the
         #      MC rollouts fork: no state is encoded twice); then the advantages

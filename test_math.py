@@ -1,0 +1,294 @@
+"""Tests of MATH: the answer grader (hand-written equivalences, the reference's fallbacks, never a crash or a
+hang), the step splitter (the reference's own outputs, in token space), the data path, and, where a copy of
+MATH-500 lies beside the repository (../shared/data/math/test.jsonl), every gold answer and solution."""
+import json
+import os
+import re
+import statistics
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import checkpoint
+import math_grader
+import train
+import vine
+from reward import DataError, is_math, load_problems, math_answers, math_reward, read_jsonl
+from test_realpath import SMALL, llama_style_tokenizer  # SMALL: two iterations, tiny sizes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURE_PATH = os.path.join(HERE, "fixtures", "math_sample.jsonl")
+FIXTURE = [json.loads(line) for line in open(FIXTURE_PATH)]  # 17 real MATH problems (fixtures/README.md)
+MATH500_PATH = os.path.join(HERE, "..", "shared", "data", "math", "test.jsonl")
+MATH500 = [json.loads(line) for line in open(MATH500_PATH)] if os.path.exists(MATH500_PATH) else None
+needs_math500 = pytest.mark.skipif(MATH500 is None, reason="no ../shared/data/math/test.jsonl")
+LIST = "Enter all the solutions, separated by commas."
+
+
+def graded(pred: str, gold: str, problem: str = "") -> float:
+    return math_reward(f"So the answer is $\\boxed{{{pred}}}$.", f"Thus $\\boxed{{{gold}}}$.", problem)
+
+
+# ---- 1. the grader on hand-written cases ------------------------------------------------------
+
+@pytest.mark.parametrize("pred, gold, problem, right", [
+    ("\\frac{1}{2}", "0.5", "", 1), ("\\dfrac12", "0.5", "", 1), ("\\tfrac{2}{4}", "\\frac{1}{2}", "", 1),
+    ("1/2", "\\frac12", "", 1), ("\\frac{3}{57}", "\\frac{3}{56}", "", 0),
+    ("\\frac{31}{5}", "6\\frac{1}{5}", "", 1),
+    ("\\frac{1}{3}", "0.333", "", 1), ("\\frac{1}{3}", "0.33", "", 0),                        # fractions
+    ("5\\text{ cm}", "5", "", 1), ("5\\mbox{ cm}", "5", "", 1), ("12\\text{ inches}", "13", "", 0),  # units
+    ("90^\\circ", "90", "", 1), ("90^{\\circ}", "90", "", 1), ("45^\\circ", "90", "", 0),       # degrees
+    ("10\\%", "10", "", 1), ("10\\%", "0.1", "", 1), ("10", "10\\%", "", 1), ("0.1", "10", "", 0),  # percent
+    ("10", "0.1", "", 0), ("x=5", "5", "", 1), ("5", "x=5", "", 1), ("x=6", "5", "", 0),       # x = 5
+    ("y=2x+1", "y=1+2x", "", 1), ("2x+1=y", "y=2x+1", "", 1), ("y=2x-1", "y=2x+1", "", 0),
+    ("(1, 2)", "(1,2)", "", 1), ("(2,1)", "(1,2)", "", 0), ("(0.5,3)", "\\left(\\frac12, 3\\right)", "", 1),
+    ("(1,2,3)", "(1,2)", "", 0),                                                                # tuples
+    ("[2,5)", "[2,5)", "", 1), ("(2,5)", "[2,5)", "", 0), ("(-\\infty, 0]", "(-\\infty,0]", "", 1),  # intervals
+    ("(1,\\infty)\\cup(-\\infty,0)", "(-\\infty,0)\\cup(1,\\infty)", "", 1),
+    ("(-\\infty,0)\\cup(2,\\infty)", "(-\\infty,0)\\cup(1,\\infty)", "", 0),
+    ("\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "", 1),
+    ("\\begin{pmatrix}0.5\\\\-1\\end{pmatrix}", "\\begin{pmatrix}\\frac{1}{2}\\\\-1\\end{pmatrix}", "", 1),
+    ("\\begin{pmatrix}1&2\\\\3&5\\end{pmatrix}", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "", 0),  # matrices
+    ("\\sqrt{8}", "2\\sqrt{2}", "", 1), ("\\sqrt2", "\\sqrt{2}", "", 1), ("\\sqrt{3}", "\\sqrt{2}", "", 0),
+    ("\\frac{1}{\\sqrt{3}}", "\\frac{\\sqrt{3}}{3}", "", 1), ("\\sqrt[3]{8}", "2", "", 1),        # roots
+    ("2\\pi", "\\pi\\cdot 2", "", 1), ("\\frac{\\pi}{2}", "1.5708", "", 1), ("3.14", "\\pi", "", 0),  # pi
+    ("-11+27i", "27i-11", "", 1), ("2\\cdot 3", "6", "", 1), ("2\\cdot 3", "23", "", 0),
+    ("3, 2", "2,3", LIST, 1), ("3,-2", "-2, 3", LIST, 1), ("3,2", "2,3", "", 0), ("2,4", "2,3", LIST, 0),
+    ("3\\text{ and }2", "2\\text{ and }3", "", 1),                                             # unordered lists
+    ("1024", "2^{10}", "", 1), ("2^{10}", "1000", "", 0), ("1,\\!000", "1000", "", 1),
+    ("11111111101", "11111111100", "", 0), ("0.0000673", "0.0000672", "", 0),                   # numbers
+    ("\\text{east}", "\\text{east}", "", 1), ("\\text{(C)}", "\\text{(D)}", "", 0), ("East", "west", "", 0),
+])
+def test_hand_written_equivalences(pred, gold, problem, right):
+    assert graded(pred, gold, problem) == right
+
+
+def test_the_references_extraction_fallbacks():
+    assert math_answers("so the final answer is $\\frac{1}{2}$. I hope it is correct.") == ["\\frac{1}{2}"]
+    assert math_answers("First $\\boxed{3}$, then $\\boxed{\\frac{a}{b^{2}}}$.") == ["3", "\\frac{a}{b^{2}}"]
+    assert math_answers("Hence the answer is 42.\nMore text") == ["42"]
+    assert math_answers("It is 3, then 5, not 1,250 or 7.5 apples") == ["7.5"]  # the last number
+    assert math_answers("```output\n12\n```") == ["12"]
+    assert math_answers("x = \\boxed 9$.") == ["9"] and math_answers("$\\boxed{10}\\%$") == ["10"]
+    assert math_answers("is $\\boxed{10}%$") == ["10%"]  # the reference returned '10}' here
+    assert math_answers("no number") == [] and math_reward("no number", "$\\boxed{5}$") == 0.0
+    # the last len(gold) answers count: an intermediate boxed result first does not hurt
+    assert math_reward("$\\boxed{3}$ so $\\boxed{5}$", "$\\boxed{5}$") == 1.0
+    assert math_reward("$\\boxed{5}$ so $\\boxed{3}$", "$\\boxed{5}$") == 0.0
+    assert math_reward("$\\boxed{}$", "$\\boxed{}$") == 0.0  # an empty gold matches nothing
+
+
+def test_every_fixture_gold_grades_one_and_a_changed_answer_zero():
+    for row in FIXTURE:
+        assert math_reward(row["solution"], row["solution"], row["problem"]) == 1.0, row["unique_id"]
+        changed = changed_answer(row["solution"])
+        assert math_reward(changed, row["solution"], row["problem"]) == 0.0, row["unique_id"]
+
+
+@needs_math500
+def test_every_math500_gold_grades_one_and_a_changed_answer_zero():
+    for row in MATH500:
+        problem, solution = row["problem"], row["solution"]
+        assert math_reward(solution, solution, problem) == 1.0, row["unique_id"]
+        assert math_reward(f"$\\boxed{{{row['answer']}}}$", solution, problem) == 1.0, row["unique_id"]
+        assert math_reward(changed_answer(solution), solution, problem) == 0.0, row["unique_id"]
+
+
+def changed_answer(solution: str) -> str:
+    """The solution with its last boxed answer changed: its last digit + 1 (mod 10), or '+1' appended."""
+    start = solution.rindex("boxed{") + len("boxed{")
+    depth, end = 0, start
+    while depth >= 0:
+        depth += {"{": 1, "}": -1}.get(solution[end], 0)
+        end += 1
+    answer = solution[start: end - 1]
+    digits = [m.start() for m in re.finditer(r"\d", answer)]
+    if digits:
+        answer = answer[: digits[-1]] + str((int(answer[digits[-1]]) + 1) % 10) + answer[digits[-1] + 1:]
+    else:
+        answer += "+1"
+    return solution[:start] + answer + solution[end - 1:]
+
+
+@pytest.mark.parametrize("answer", [
+    "9^{9^{9^{9}}}", "(10^{999})^{999}", "10^{10^{10}}", "99999!", "2^{100000}", "x^{y^{z}}", "\\frac{" * 200,
+    "__import__('os').system('echo hi')", "().__class__", "a.b.c", "\\sqrt{" * 50 + "2" + "}" * 50, "x" * 5000,
+    "\\begin{pmatrix}" + "1&" * 300 + "\\end{pmatrix}", "(" * 300 + ")" * 300, "\\frac{1}{0}", "0^{-1}",
+    "\ud800",
+])
+def test_hostile_answers_grade_zero_quickly(answer):
+    start = time.perf_counter()
+    assert graded(answer, "7") == 0.0 and graded("7", answer) == 0.0
+    assert time.perf_counter() - start < 2 * math_grader.SYMPY_SECONDS + 5  # a bound, not a timing claim
+
+
+LATEXISH = st.sampled_from(list("0123456789+-*/^=.,()[]{}$%!xyzi\\ \nboxedfracsqrtpi"))
+
+
+@given(st.text(alphabet=LATEXISH, max_size=60), st.text(max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_grader_and_splitter_take_any_text(latexish, anything):
+    for completion in (latexish, "$\\boxed{" + latexish + "}$", anything):
+        assert math_reward(completion, "$\\boxed{" + latexish + "}$", LIST) in (0.0, 1.0)
+        bounds = vine.math_step_offsets(completion)
+        assert bounds[0] == 0 and bounds[-1] == len(completion)
+        assert all(a < b for a, b in zip(bounds, bounds[1:])) or bounds == [0, 0]  # '' is one empty step
+
+
+def test_the_time_limit_interrupts_a_long_computation():
+    with pytest.raises(math_grader.OutOfTime):
+        with math_grader.time_limit(0.05):
+            while True:
+                pass
+    assert not math_grader.safe_to_parse("__import__(os)") and not math_grader.safe_to_parse("2**(2**(2**9))")
+    assert math_grader.safe_to_parse("((sqrt(3))/(2)) pi") and math_grader.safe_to_parse("x**(2)+y**(2)")
+
+
+# ---- 2. the step splitter -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, steps", [  # the reference's own outputs (its split_solution_inplace)
+    ("Let $x=3$. Then $y=4$. So the answer is $\\boxed{7}$.",
+     ["Let $x=3$. Then $y=4$.", " So the answer is $\\boxed{7}$."]),
+    ("We get $x = 5.$ Then $y=2x = 10.$ So $x+y=\\boxed{15}$.",
+     ["We get $x = 5.$", " Then $y=2x = 10.$", " So $x+y=\\boxed{15}$."]),
+    ("Note that\n\\[a^2+b^2=4+9=13.\\]Thus the answer is $\\boxed{13}$.",
+     ["Note that\n\\[a^2+b^2=4+9=13.\\]", "Thus the answer is $\\boxed{13}$."]),
+    ("If he lifts two 15-pound weights instead for $n$ times, he will lift a total of $2\\cdot15\\cdot n=30n$ "
+     "pounds of weight.  Equating this to 480 pounds, we can solve for $n$: \\begin{align*}\n30n&=480\\\\\n"
+     "\\Rightarrow\\qquad n&=480/30=\\boxed{16}\n\\end{align*}",
+     ["If he lifts two 15-pound weights instead for $n$ times,",
+      " he will lift a total of $2\\cdot15\\cdot n=30n$ pounds of weight.",
+      "  Equating this to 480 pounds, we can solve for $n$: \\begin{align*}", "\n30n&=480\\\\",
+      "\n\\Rightarrow\\qquad n&=480/30=\\boxed{16}", "\n\\end{align*}"]),
+    ("", [""]), ("ab", ["ab"]), ("\n", ["\n"]),
+])
+def test_math_steps_as_the_reference_splits(text, steps):
+    bounds = vine.math_step_offsets(text)
+    assert [text[a:b] for a, b in zip(bounds, bounds[1:])] == steps
+
+
+def check_steps(text: str) -> list[int]:
+    """No empty step; a boundary inside a LaTeX span only where the reference cuts one: after a math
+    separator (',$', '=', '+', ...) of a part over 100 characters; in a multi-line span also at a newline,
+    or after prose punctuation (a piece cut at a newline inside a span no longer sees the span whole)."""
+    bounds = vine.math_step_offsets(text)
+    assert bounds[0] == 0 and bounds[-1] == len(text) and all(a < b for a, b in zip(bounds, bounds[1:]))
+    spans = [m.span() for pattern in vine.MATH_SPANS for m in re.finditer(pattern, text, flags=re.S)]
+    math_cut, prose_cut = r"(,\$|,\\\)|,\\\]|=|\\equiv|\+|\\cancelto)$", r"(,|\sand|:|\sto)$"
+    for b in bounds[1:-1]:
+        for lo, hi in (span for span in spans if span[0] < b < span[1]):
+            multi_line = "\n" in text[lo:hi]
+            at_prose_cut = text[b] == "\n" or re.search(prose_cut, text[:b])
+            assert re.search(math_cut, text[:b]) or multi_line and at_prose_cut
+    return bounds
+
+
+def test_fixture_solutions_split_without_empty_steps():
+    for row in FIXTURE:
+        check_steps(row["solution"])
+        check_steps("\n" + row["solution"] + "\n")  # as the SFT response writes it
+
+
+@needs_math500
+def test_math500_steps_as_the_reference_counts_them():
+    """Every MATH-500 solution; the statistics the reference's splitter gives (mean 9.6 steps, median 7,
+    median step 55 characters, 3.6% of steps over 100 characters)."""
+    counts, lengths = [], []
+    for row in MATH500:
+        bounds = check_steps(row["solution"])
+        counts.append(len(bounds) - 1)
+        lengths += [b - a for a, b in zip(bounds, bounds[1:])]
+    assert round(statistics.mean(counts), 1) == 9.6 and statistics.median(counts) == 7
+    assert statistics.median(lengths) == 55 and round(sum(n > 100 for n in lengths) / len(lengths), 3) == 0.036
+
+
+def test_math_steps_in_token_space():
+    """Each token is in its first character's step: with a character-level tokenizer the token steps are the
+    character steps; with a SentencePiece-style one, a step starts at the first token starting in it."""
+    texts = ["\n" + row["solution"] + "\n" for row in FIXTURE]
+    tok = llama_style_tokenizer(texts + [row["problem"] for row in FIXTURE])
+    multi_step = 0
+    for text in texts:
+        ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        pieces = vine.decoded_pieces(tok, ids)
+        firsts = [sum(map(len, pieces[:t])) for t in range(len(ids))]
+        bounds = vine.math_step_offsets("".join(pieces))
+        expected = sorted({0} | {next(t for t, c in enumerate(firsts) if c >= b) for b in bounds[1:-1]})
+        assert vine.response_step_starts(tok, ids, math=True) == expected
+        multi_step += len(expected) > 1
+        chars = list(text)  # one token per character
+        assert vine.token_steps(chars, bounds[1:-1]) == bounds[:-1]
+    assert multi_step >= 12  # of the 17 solutions
+
+
+# ---- 3. data, settings and the whole path ------------------------------------------------------------
+
+def test_math_jsonl_read_by_its_fields_and_errors_name_file_and_line(tmp_path):
+    problems = read_jsonl(FIXTURE_PATH)
+    assert len(problems) == 17 and is_math(problems)
+    assert problems[0] == {"question": FIXTURE[0]["problem"], "answer": FIXTURE[0]["solution"], "math": True}
+    bad = tmp_path / "bad.jsonl"
+    good = '{"problem": "p", "solution": "$\\\\boxed{1}$"}\n'
+    for content, message in [(good + '{"problem": "q"}\n', "bad.jsonl:2: missing or empty string field"),
+                             ('{"problem": "p", "solution": "no answer"}\n', "bad.jsonl:1: 'solution' has no"),
+                             (good + "[1]\n", "bad.jsonl:2: expected a JSON object")]:
+        bad.write_text(content)
+        with pytest.raises(DataError, match=re.escape(message)):
+            read_jsonl(str(bad))
+    with pytest.raises(DataError, match="one holds MATH problems"):
+        is_math(problems + [{"question": "q", "answer": "#### 1"}])
+
+
+def test_math_settings_apply_where_the_user_sets_nothing():
+    paper = train.parse_args(["--model", "rho-math-1.1b", "--data", "math"])
+    assert paper.model == checkpoint.MATH_ALIASES["rho-math-1.1b"] == "realtreetune/rho-1b-sft-MATH"
+    assert (paper.iterations, paper.max_value_states, paper.eval_samples) == (1000, 0, 16)
+    gsm8k = train.parse_args(["--model", "rho-math-1.1b", "--data", "gsm8k"])
+    assert (gsm8k.model, gsm8k.iterations, gsm8k.max_value_states) == ("rho-math-1.1b", 650, 26)  # as before
+    mine = train.parse_args(["--data", FIXTURE_PATH, "--max-value-states", "5", "--iterations", "3"])
+    assert (mine.iterations, mine.max_value_states, mine.sft_steps) == (3, 5, 1500)  # and the demo's settings
+    assert train.parse_args(["--data", FIXTURE_PATH]).max_value_states == 0
+
+
+def test_help_names_the_math_defaults(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1000 with MATH data, else 650" in text and "0 with MATH data, else 26" in text and "'math'" in text
+
+
+def test_offline_math_data_fails_in_one_line(monkeypatch):
+    """The hub's failure in one line (GSM8K's code, whose real offline run test_realpath.py checks)."""
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'HuggingFaceH4/MATH-500' on the Hub (LocalEntryNotFound)\nmore")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError) as error:
+        load_problems("math", "test")
+    assert str(error.value).startswith("--data math: cannot load HuggingFaceH4/MATH-500 from the hub (Couldn't")
+    assert "\n" not in str(error.value) and "problem" in str(error.value) and ".jsonl" in str(error.value)
+
+
+@pytest.mark.parametrize("algo", ["vineppo", "ppo", "tppo", "grpo"])
+def test_math_path_with_the_tiny_model(tmp_path, algo):
+    """--data on MATH's format end to end, in this process: SFT on the gold solutions, an iteration of each
+    --algo graded by math_reward, MATH's steps with no cap on MC states, a checkpoint."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train.main(train.parse_args(["--data", FIXTURE_PATH, "--algo", algo, "--out", str(tmp_path), *SMALL,
+                                     "--iterations", "1"]))
+    finally:
+        torch.set_num_threads(threads)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [row["iteration"] for row in rows] == [0, 1] and rows[-1]["episodes"] == 8
+    assert rows[-1]["mc_states"] > 0 if algo == "vineppo" else "policy_loss" in rows[-1]
+    state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["config"]["max_value_states"] == 0 and state["iteration"] == 1
+    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    problems = {row["solution"]: row["problem"] for row in FIXTURE}
+    assert all(s["reward"] == math_reward(s["response"], s["gold"], problems[s["gold"]]) for s in samples)
