@@ -73,10 +73,10 @@ def test_critic_head_runs_in_fp32_under_autocast(model, head):
         out = critic(ids, mask, prompt_lens)
         values = critic.values(ids, mask, prompt_lens)
         hidden = critic.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+    if head == "scalar":  # sliced before the head, as the critic does: the same kernels, bit for bit
+        hidden = hidden[:, :-1]
     expected = F.linear(hidden.float(), critic.head.weight, critic.head.bias).squeeze(-1)  # fp32, no autocast
-    if head == "scalar":
-        expected = expected[:, :-1]
-    elif head == "tracking":
+    if head == "tracking":
         expected = value.tracking_logits(expected, prompt_lens)
     assert out.dtype == values.dtype == torch.float32 and torch.equal(out, expected)
     # what train.py's GAE does with them: fp32 rewards into a zeros_like(values) (bf16 values raised)
