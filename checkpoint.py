@@ -45,7 +45,7 @@ def load_model(name: str, device, trust_remote_code: bool = False, resuming: boo
     """(tokenizer, model) from a hub id or a directory; resuming: a directory of the run in --out."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
-        if name.startswith((".", "/")) and not os.path.isdir(name):  # a path, not a hub id
+        if (resuming or name.startswith((".", "/"))) and not os.path.isdir(name):  # a path, not a hub id
             raise FileNotFoundError("no such directory")
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,

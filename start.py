@@ -135,7 +135,7 @@ def prepare_out(cfg):
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        raise DataError(f"--out {cfg.out!r}: not writable ({e.strerror}: {e.filename})") from None
+        raise DataError(f"--out {cfg.out!r}: not writable ({first_line(e)})") from None
 
 
 held_lock = None  # OUT/.lock, open and locked while this process lives
@@ -207,15 +207,17 @@ def go_offline_without_hub(cfg):
         tqdm.write(f"the hub ({constants.ENDPOINT}) cannot be reached ({first_line(e)}): cached files only")
 
 
-def sft_examples(tok, problems: list[dict], max_new_tokens: int) -> list[tuple[list[int], int]]:
-    """(ids, prompt length) of each problem's SFT example whose response fits --max-new-tokens (EOS too)."""
+def sft_examples(tok, problems: list[dict], max_tokens: int) -> list[tuple[list[int], int]]:
+    """(ids, prompt length) of the SFT examples no longer than the longest sequence RL holds, max_tokens =
+    --max-prompt-tokens + --max-new-tokens: SFT never needs more memory than RL for one."""
     examples = [reward.sft_example(tok, p["prompt"], p.get("demonstration", p["answer"])) for p in problems]
-    kept = [(ids, n_prompt) for ids, n_prompt in examples if len(ids) - n_prompt <= max_new_tokens]
+    kept = [(ids, n_prompt) for ids, n_prompt in examples if len(ids) <= max_tokens]
     if not kept:
-        raise DataError(f"--max-new-tokens {max_new_tokens}: every training problem's SFT solution is longer")
+        raise DataError(f"--max-prompt-tokens + --max-new-tokens = {max_tokens}: every training problem's SFT "
+                        "example (prompt and solution) is longer")
     if len(kept) < len(examples) and parallel.rank() == 0:
-        tqdm.write(f"sft: skipped {len(examples) - len(kept)} of {len(examples)} training problems: solution "
-                   f"over --max-new-tokens {max_new_tokens}")
+        tqdm.write(f"sft: skipped {len(examples) - len(kept)} of {len(examples)} training problems: prompt and "
+                   f"solution over --max-prompt-tokens + --max-new-tokens = {max_tokens} tokens")
     return kept
 
 
@@ -223,7 +225,7 @@ def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
     """Supervised warm start (reference §3.3) on the gold (or demonstration) solutions' response tokens."""
     rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
     rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
-    examples, skipped = sft_examples(tok, problems, cfg.max_new_tokens), 0
+    examples, skipped = sft_examples(tok, problems, cfg.max_prompt_tokens + cfg.max_new_tokens), 0
     policy.train()
     optim = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     for step in tqdm(range(steps), desc="sft", disable=rank != 0):

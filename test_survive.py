@@ -272,16 +272,17 @@ def test_settings_the_tensors_cannot_hold_are_refused(capsys, args, message):
     train.parse_args(["--seed", str(2**63 - 1), "--clip", "1e30", "--eval-temperature", "0"])  # the limits pass
 
 
-def test_sft_examples_capped_at_the_response_budget_with_a_count(tiny, capsys):
+def test_sft_examples_capped_at_what_rl_holds_with_a_count(tiny, capsys):
     tok, _ = tiny
     problems = [{"prompt": "What is 1+1?\n", "answer": "1+1=2\n#### 2"},
                 {"prompt": "What is 2+2?\n", "answer": "2+2=4\n" * 2000 + "#### 4"}]  # a 12 KB answer
-    examples = start.sft_examples(tok, problems, max_new_tokens=64)
-    (ids, n_prompt), = examples
-    assert examples == start.sft_examples(tok, problems[:1], 64) and len(ids) - n_prompt <= 64
-    assert "sft: skipped 1 of 2 training problems: solution over --max-new-tokens 64" in capsys.readouterr().out
-    with pytest.raises(DataError, match="--max-new-tokens 5: every training problem's SFT solution is longer"):
-        start.sft_examples(tok, problems, max_new_tokens=5)
+    examples = start.sft_examples(tok, problems, max_tokens=1576)
+    (ids, _), = examples
+    assert examples == start.sft_examples(tok, problems[:1], 1576) and len(ids) <= 1576
+    assert ("sft: skipped 1 of 2 training problems: prompt and solution over --max-prompt-tokens + "
+            "--max-new-tokens = 1576 tokens") in capsys.readouterr().out
+    with pytest.raises(DataError, match=r"--max-new-tokens = 20: every training problem's SFT example"):
+        start.sft_examples(tok, problems, max_tokens=20)
 
 
 def test_sft_skips_a_non_finite_step_as_rl_does(tmp_path, capsys):
