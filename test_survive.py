@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import checkpoint
 import start
+import test_vine
 import train
 from reward import DataError
 from test_vine import HERE, OFFLINE, SMALL, numbers, run_train
@@ -265,10 +266,7 @@ def test_a_damaged_checkpoint_is_named_as_the_runs_not_as_model(tmp_path, tiny):
     (["--resume", "--overwrite"], "--resume and --overwrite: pick one"),
 ])
 def test_settings_the_tensors_cannot_hold_are_refused(capsys, args, message):
-    with pytest.raises(SystemExit) as stop:
-        train.parse_args(args)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and message in err and err.count("\n") == 1, err
+    test_vine.test_bad_setting_gives_one_line_error(capsys, args, message)
     train.parse_args(["--seed", str(2**63 - 1), "--clip", "1e30", "--eval-temperature", "0"])  # the limits pass
 
 
