@@ -18,6 +18,9 @@ MATH_ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-MATH"}  # and its MATH
 RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "arith_steps", "arith_slip",
                      "sft_steps", "sft_lr", "sft_batch")
 RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
+# what else a run writes in --out (or a kill leaves there): --overwrite removes these too
+LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "metrics.jsonl.tmp",
+             "samples.jsonl.tmp")
 
 
 def build_tiny_model(path: str, seed: int):
@@ -39,16 +42,22 @@ def build_tiny_model(path: str, seed: int):
     tok.save_pretrained(path)
 
 
-def load_model(name: str, device, trust_remote_code: bool = False):
+def load_model(name: str, device, trust_remote_code: bool = False, resuming: bool = False):
+    """(tokenizer, model) from a hub id or a directory; resuming: a directory of the run in --out."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    if name.startswith((".", "/")) and not os.path.isdir(name):  # a path, not a hub id
-        raise DataError(f"--model {name!r}: no such directory")
     try:
+        if (resuming or name.startswith((".", "/"))) and not os.path.isdir(name):  # a path, not a hub id
+            raise FileNotFoundError("no such directory")
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code)
         model.to(device)
     except Exception as e:  # hub, network and format errors all end here: one line, not a traceback
+        if resuming:  # the run's own files, not a setting the user gave
+            raise DataError(f"--resume: {name} cannot be loaded ({first_line(e)}); --overwrite starts the "
+                            "run again") from None
+        if isinstance(e, FileNotFoundError):
+            raise DataError(f"--model {name!r}: no such directory") from None
         raise DataError(f"--model {name!r}: cannot load it ({first_line(e)}); offline, point "
                         "--model at a local directory written by save_pretrained (model and tokenizer); also "
                         f"accepted: 'tiny', {', '.join(sorted(ALIASES))} or a reachable hub id") from None
@@ -57,33 +66,48 @@ def load_model(name: str, device, trust_remote_code: bool = False):
 
 def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None, name: str = "checkpoint",
                     policy_weights: dict | None = None, critic_weights: dict | None = None):
-    """Write OUT/name atomically (built in name.tmp, then swapped in); *_weights: full FSDP state dicts."""
+    """Write OUT/name atomically; *_weights: full FSDP state dicts. A kill at any instant, leftovers of an
+    earlier one included, leaves name/ complete, or no name/ and a complete name.old/ (last_checkpoint)."""
     final, tmp, old = (os.path.join(out, name + suffix) for suffix in ("", ".tmp", ".old"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp, state_dict=policy_weights)
-    tok.save_pretrained(tmp)
-    if critic is not None:
-        critic_weights = critic_weights or critic.state_dict()
-        part = lambda prefix: {k[len(prefix):]: v for k, v in critic_weights.items() if k.startswith(prefix)}
-        critic.backbone.save_pretrained(os.path.join(tmp, "critic"), state_dict=part("backbone."))
-        torch.save({"head": critic.head_type, "state": part("head.")},
-                   os.path.join(tmp, "critic", "value_head.pt"))
-    if state is not None:
-        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed
+        write_checkpoint(tmp, policy, tok, state, critic, policy_weights, critic_weights)
+    except Exception as e:  # a full disk, no permission: the last checkpoint stays as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(f"cannot write {tmp} ({first_line(e)})") from None
     if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)  # a leftover: name/ is complete whenever it exists
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
 
 
+def write_checkpoint(path: str, policy, tok, state, critic, policy_weights, critic_weights):
+    policy.save_pretrained(path, state_dict=policy_weights)
+    tok.save_pretrained(path)
+    if critic is not None:
+        critic_weights = critic_weights or critic.state_dict()
+        part = lambda prefix: {k[len(prefix):]: v for k, v in critic_weights.items() if k.startswith(prefix)}
+        critic.backbone.save_pretrained(os.path.join(path, "critic"), state_dict=part("backbone."))
+        torch.save({"head": critic.head_type, "state": part("head.")},
+                   os.path.join(path, "critic", "value_head.pt"))
+    if state is not None:
+        torch.save(state, os.path.join(path, "trainer_state.pt"))
+
+
 def load_critic(checkpoint: str, device):
+    """The critic saved in a checkpoint; None when it has none (VinePPO, GRPO)."""
     path = os.path.join(checkpoint, "critic")
-    if not os.path.exists(os.path.join(path, "value_head.pt")):
+    if not os.path.isdir(path):
         return None
     from transformers import AutoModel
-    head = torch.load(os.path.join(path, "value_head.pt"), map_location="cpu", weights_only=True)
-    critic = value.Critic(AutoModel.from_pretrained(path), head["head"])
-    critic.head.load_state_dict(head["state"])
+    try:
+        head = torch.load(os.path.join(path, "value_head.pt"), map_location="cpu", weights_only=True)
+        critic = value.Critic(AutoModel.from_pretrained(path), head["head"])
+        critic.head.load_state_dict(head["state"])
+    except Exception as e:  # a PPO run's checkpoint without its critic cannot continue
+        raise DataError(f"--resume: {path} cannot be loaded ({first_line(e)}); --overwrite starts the run "
+                        "again") from None
     return critic.to(device)
 
 
@@ -111,6 +135,7 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
         state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged file: refuse, never start over on top of the results
         raise DataError(f"--resume: {path}/trainer_state.pt cannot be read ({first_line(e)})") from None
+    check_shape(state, f"{path}/trainer_state.pt")
     for key in RESUME_MUST_MATCH:
         if state["config"].get(key) != getattr(cfg, key):
             raise DataError(f"--resume: {path} was written with --{key.replace('_', '-')} "
@@ -122,6 +147,18 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
         tqdm.write(f"--resume: --iterations {cfg.iterations}, not {state['config']['iterations']}: "
                    f"the LR schedule is stretched to end at iteration {cfg.iterations}")
     return path, state
+
+
+def check_shape(state, path: str):
+    """A trainer state as save_training_state writes it, or one line that says what is missing."""
+    shape = {"iteration": int, "config": dict, "optimizers": list, "rng": list}
+    for key, kind in shape.items():
+        if not isinstance(state, dict) or not isinstance(state.get(key), kind):
+            raise DataError(f"--resume: {path} is not a trainer state (no {kind.__name__} {key!r}); "
+                            "--overwrite starts the run again")
+    if not isinstance(state["config"].get("iterations"), int):
+        raise DataError(f"--resume: {path} is not a trainer state (no --iterations in its config); "
+                        "--overwrite starts the run again")
 
 
 def save_training_state(cfg, iteration: int, tok, policy, critic):
@@ -149,7 +186,22 @@ def restore_training_state(cfg, state: dict | None, learners: list) -> int | Non
             for path in paths:
                 open(path, "w").close()
         return None
-    for learner, saved in zip(learners, state["optimizers"]):
+    try:
+        restore_states(cfg, state, learners)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise DataError(f"--resume: the trainer state in {cfg.out} does not fit this run ({first_line(e)}); "
+                        "--overwrite starts the run again") from None
+    if parallel.rank() == 0:
+        for path in filter(os.path.exists, paths):
+            rows = rows_up_to(path, state["iteration"])
+            with open(path + ".tmp", "w") as f:
+                f.writelines(rows)
+            os.replace(path + ".tmp", path)
+    return state["iteration"]
+
+
+def restore_states(cfg, state: dict, learners: list):
+    for learner, saved in zip(learners, state["optimizers"], strict=True):
         parallel.load_optimizer_state(learner.model, learner.optimizer, saved["optimizer"])
         learner.scheduler.load_state_dict(saved["scheduler"])
     if len(state["rng"]) == parallel.world_size():  # one random state per process
@@ -162,20 +214,32 @@ def restore_training_state(cfg, state: dict | None, learners: list) -> int | Non
         tqdm.write(f"--resume: written by {len(state['rng'])} processes, now {parallel.world_size()}: "
                    "random streams reseeded")
         torch.manual_seed(cfg.seed + parallel.rank() + 1000 * (state["iteration"] + 1))
-    if parallel.rank() == 0:
-        for path in filter(os.path.exists, paths):
-            with open(path) as f:
-                rows = [line for line in f if complete_row(line, state["iteration"])]
-            with open(path + ".tmp", "w") as f:
-                f.writelines(rows)
-            os.replace(path + ".tmp", path)
-    return state["iteration"]
 
 
-def complete_row(line: str, last_iteration: int) -> bool:
-    """A row up to the checkpoint, not torn by a kill: a resumed run neither repeats nor skips one."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return isinstance(row, dict) and row["iteration"] <= last_iteration
+def rows_up_to(path: str, last_iteration: int) -> list[str]:
+    """The rows up to the checkpoint: a resumed run neither repeats nor skips one. A last line without its
+    newline was torn by a kill and is dropped; any other line that is not a row is refused, not deleted."""
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    if lines and not lines[-1].endswith(b"\n"):
+        lines.pop()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError:  # not UTF-8, not JSON
+            row = None
+        if not isinstance(row, dict) or type(row.get("iteration")) is not int:
+            raise DataError(f"--resume: {path}:{number}: expected a row of this run, a JSON object with an "
+                            "integer 'iteration'; remove the line, or --overwrite starts the run again")
+        if row["iteration"] <= last_iteration:
+            rows.append(line.decode("utf-8"))
+    return rows
+
+
+def resume_hint(out: str) -> str:
+    """Where an interrupted run can continue from, in one sentence."""
+    path = last_checkpoint(out)
+    if path is None:
+        return f"no checkpoint in {out} yet: --resume starts the run again"
+    return f"the last checkpoint is {path}: --resume (in place of any --overwrite) continues from it"

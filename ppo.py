@@ -194,11 +194,12 @@ def collate(episodes, pad_id, device):
     return ids, mask, out
 
 
-def optimizer_step(model, optim, scheduler, max_norm: float = 1.0) -> float | None:
+def optimizer_step(model, optim, scheduler=None, max_norm: float = 1.0) -> float | None:
     """Clip the gradient norm and step; the norm, or None when it is not finite and the step is skipped."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
     if math.isfinite(norm):
         optim.step()
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
     optim.zero_grad()
     return norm if math.isfinite(norm) else None

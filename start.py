@@ -2,9 +2,12 @@
 start, frozen reference, critic) and optimizers; on --resume, all of it as the last checkpoint left it.
 --precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup), on CPUs too."""
 import copy
+import fcntl
 import math
 import os
 import random
+import shutil
+import socket
 from contextlib import nullcontext
 
 import torch
@@ -17,7 +20,7 @@ import ppo
 import reward
 import rollout
 import value
-from reward import DataError
+from reward import DataError, first_line
 
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = dict(activation_checkpointing_kwargs={"use_reentrant": False})  # so DDP and FSDP take it
@@ -62,6 +65,7 @@ def start_process(cfg):
 def start_run(cfg, device, autocast):
     """Data, models, learners (ppo.Learner) and the last iteration done (None for a fresh run)."""
     prepare_out(cfg)
+    go_offline_without_hub(cfg)
     train_set = reward.load_problems(cfg.data, "train", steps=cfg.arith_steps, slip=cfg.arith_slip)
     eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", steps=cfg.arith_steps)
     eval_set = eval_set[: cfg.eval_problems or None]
@@ -73,15 +77,20 @@ def start_run(cfg, device, autocast):
         problem["prompt_ids"] = reward.encode_prompt(tok, problem["prompt"])
     train_set, eval_set = (drop_long_prompts(problems, cfg.max_prompt_tokens, split)
                            for problems, split in ((train_set, "training"), (eval_set, "held-out")))
+    fit_prompts_per_iter(cfg, len(train_set))
     if cfg.sft_steps and not resume_from:  # the KL reference and the critic start from the SFT policy
         sft_warm_start(policy, tok, train_set, cfg, device, autocast)
         ref.load_state_dict(parallel.full_state_dict(policy))
+        if not all(torch.isfinite(w).all() for w in ref.state_dict().values()):
+            raise DataError(f"--sft-lr {cfg.sft_lr}: the weights are no longer finite after SFT; lower it")
         if parallel.rank() == 0:
             checkpoint.save_checkpoint(cfg.out, ref, tok, name="reference")  # resumed runs reload it
     critic = None  # PPO / TPPO: a copy of the starting policy's backbone with a value head (value.py)
     if cfg.algo in ("ppo", "tppo"):
         critic = checkpoint.load_critic(resume_from, device) if resume_from else \
             value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
+        if critic is None:
+            raise DataError(f"--resume: {resume_from} has no critic/; --overwrite starts the run again")
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
             critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
     ref.eval().requires_grad_(False)
@@ -105,17 +114,55 @@ def drop_long_prompts(problems: list[dict], max_tokens: int, split: str) -> list
 
 
 def prepare_out(cfg):
-    found = [name for name in checkpoint.RESULTS if os.path.exists(os.path.join(cfg.out, name))]
-    if found and not cfg.resume and not cfg.overwrite:
-        raise DataError(f"--out {cfg.out!r} holds an earlier run ({', '.join(found)}): "
-                        "pass --resume to continue it or --overwrite to replace it")
+    """--out made, locked for this run, checked for an earlier run, emptied of it on --overwrite, writable."""
     try:
         os.makedirs(cfg.out, exist_ok=True)
+        if parallel.rank() == 0:
+            lock_out(cfg.out)
+        found = [name for name in checkpoint.RESULTS if os.path.exists(os.path.join(cfg.out, name))]
+        if found and not cfg.resume and not cfg.overwrite:
+            raise DataError(f"--out {cfg.out!r} holds an earlier run ({', '.join(found)}): "
+                            "pass --resume to continue it or --overwrite to replace it")
+        if cfg.overwrite and parallel.rank() == 0:  # all of it, before anything of this run is written
+            for name in checkpoint.RESULTS + checkpoint.LEFTOVERS:
+                path = os.path.join(cfg.out, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+        parallel.barrier()
         probe = os.path.join(cfg.out, f".writable{parallel.rank()}")
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        raise DataError(f"--out {cfg.out!r}: not writable ({e.strerror})") from None
+        raise DataError(f"--out {cfg.out!r}: not writable ({first_line(e)})") from None
+
+
+held_lock = None  # OUT/.lock, open and locked while this process lives
+
+
+def lock_out(out: str):
+    """A second run into the same --out is refused. flock: the OS releases the lock when its process ends,
+    however it ends, so a killed run's lock is taken over, never a reason to refuse."""
+    global held_lock
+    if held_lock is not None:  # a process that trained before (tests) runs one training at a time
+        held_lock.close()
+    lock = open(os.path.join(out, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise DataError(f"--out {out!r} is in use by a run that is still going ({holder}): wait for it to "
+                        "end, or choose another --out") from None
+    except OSError as e:  # a file system without locks
+        tqdm.write(f"warning: --out {out!r} cannot be locked ({e.strerror}): nothing stops a second run in it")
+        return
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    held_lock = lock
 
 
 def load_policy_and_reference(cfg, resume_from: str | None, device):
@@ -126,25 +173,66 @@ def load_policy_and_reference(cfg, resume_from: str | None, device):
         if not resume_from and parallel.rank() == 0:
             checkpoint.build_tiny_model(name, cfg.seed)
         parallel.barrier()  # the other processes wait until it is written
-    tok, policy = checkpoint.load_model(resume_from or name, device, cfg.trust_remote_code)
+    tok, policy = checkpoint.load_model(resume_from or name, device, cfg.trust_remote_code, bool(resume_from))
     if not resume_from:
         return tok, policy, copy.deepcopy(policy)
     ref_path = os.path.join(cfg.out, "reference") if cfg.sft_steps else name
-    return tok, policy, checkpoint.load_model(ref_path, device, cfg.trust_remote_code)[1]
+    in_out = ref_path.startswith(os.path.join(cfg.out, ""))  # OUT/reference, OUT/tiny-init: the run's own
+    return tok, policy, checkpoint.load_model(ref_path, device, cfg.trust_remote_code, in_out)[1]
+
+
+def fit_prompts_per_iter(cfg, available: int):
+    """More prompts an iteration than the training set holds: all of it, said once, and the LR schedule
+    sized to what runs (draw_problems takes at most a multiple of the processes)."""
+    fits = min(cfg.prompts_per_iter, available // parallel.world_size() * parallel.world_size())
+    if fits < cfg.prompts_per_iter:
+        if parallel.rank() == 0:
+            tqdm.write(f"--prompts-per-iter {cfg.prompts_per_iter}: the training set has {available} problems; "
+                       f"{fits} an iteration")
+        cfg.prompts_per_iter = fits
+
+
+def go_offline_without_hub(cfg):
+    """Offline, the hub libraries retry each file for ~25 s before they fail: one quick look at the hub
+    first, and if it cannot be reached they run offline (cached files only, a missing one fails at once)."""
+    from huggingface_hub import constants, get_session
+    model = checkpoint.ALIASES.get(cfg.model, cfg.model)
+    needs_hub = (model != "tiny" and not os.path.isdir(model)) or "gsm8k" in (cfg.data, cfg.eval_data)
+    if not needs_hub or constants.HF_HUB_OFFLINE:
+        return
+    try:
+        get_session().head(constants.ENDPOINT, timeout=5)
+    except Exception as e:  # no network, no name resolution, a firewall: offline mode, as if HF_HUB_OFFLINE=1
+        constants.HF_HUB_OFFLINE = True  # read by transformers at each call, by datasets when imported
+        tqdm.write(f"the hub ({constants.ENDPOINT}) cannot be reached ({first_line(e)}): cached files only")
+
+
+def sft_examples(tok, problems: list[dict], max_tokens: int) -> list[tuple[list[int], int]]:
+    """(ids, prompt length) of the SFT examples no longer than the longest sequence RL holds, max_tokens =
+    --max-prompt-tokens + --max-new-tokens: SFT never needs more memory than RL for one."""
+    examples = [reward.sft_example(tok, p["prompt"], p.get("demonstration", p["answer"])) for p in problems]
+    kept = [(ids, n_prompt) for ids, n_prompt in examples if len(ids) <= max_tokens]
+    if not kept:
+        raise DataError(f"--max-prompt-tokens + --max-new-tokens = {max_tokens}: every training problem's SFT "
+                        "example (prompt and solution) is longer")
+    if len(kept) < len(examples) and parallel.rank() == 0:
+        tqdm.write(f"sft: skipped {len(examples) - len(kept)} of {len(examples)} training problems: prompt and "
+                   f"solution over --max-prompt-tokens + --max-new-tokens = {max_tokens} tokens")
+    return kept
 
 
 def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
     """Supervised warm start (reference §3.3) on the gold (or demonstration) solutions' response tokens."""
     rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
     rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
+    examples, skipped = sft_examples(tok, problems, cfg.max_prompt_tokens + cfg.max_new_tokens), 0
     policy.train()
     optim = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     for step in tqdm(range(steps), desc="sft", disable=rank != 0):
-        batch = rng.sample(problems, min(cfg.sft_batch, len(problems)))[rank::world]
-        examples = [reward.sft_example(tok, p["prompt"], p.get("demonstration", p["answer"])) for p in batch]
-        ids, mask = rollout.pad_right([seq for seq, _ in examples], rollout.pad_id(tok), device)
+        batch = rng.sample(examples, min(cfg.sft_batch, len(examples)))[rank::world]
+        ids, mask = rollout.pad_right([seq for seq, _ in batch], rollout.pad_id(tok), device)
         labels = ids.masked_fill(mask == 0, -100)
-        for i, (_, n_prompt) in enumerate(examples):
+        for i, (_, n_prompt) in enumerate(batch):
             labels[i, :n_prompt] = -100  # the loss covers the response only
         for group in optim.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 20) * (1 - step / steps)
@@ -154,9 +242,8 @@ def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
         with autocast:
             out = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n_tokens)
             loss = out.loss * world
-        optim.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optim.step()
-    optim.zero_grad()  # the first RL step must not add the last SFT gradient
+        loss.backward()  # a non-finite loss makes a non-finite gradient norm: the step is skipped, as in RL
+        skipped += ppo.optimizer_step(policy, optim) is None  # also leaves no gradient for the first RL step
     policy.eval()  # training mode (dropout) only inside an update
+    if skipped and rank == 0:
+        tqdm.write(f"warning: sft: {skipped} of {steps} steps skipped: non-finite loss or gradient")

@@ -712,7 +712,7 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
     (["--warmup", "nan"], "--warmup nan: expected"),
     (["--critic-lr", "inf"], "--critic-lr inf: expected"),
     (["--device", "bogus"], "--device 'bogus': expected 'auto', 'cpu', 'cuda' or 'cuda:N'"),
-    (["--temperature", "0"], "--temperature 0.0: expected > 0"),
+    (["--temperature", "0"], "--temperature 0.0: expected >= 0.001"),
     (["--top-p", "0"], "--top-p 0.0: expected in (0, 1]"),
     (["--top-p", "1.5"], "--top-p 1.5: expected in (0, 1]"),
     (["--clip", "-0.1"], "--clip -0.1: expected > 0"),

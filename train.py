@@ -12,9 +12,9 @@ reference log-probs -> epochs of clipped PPO on minibatches -> log, evaluate, ch
 import argparse
 import dataclasses
 import json
-import math
 import os
 import re
+import signal
 import sys
 import time
 
@@ -41,6 +41,7 @@ above = lambda low: (lambda v: v > low, f"> {low}")
 between = lambda low, high: (lambda v: low <= v <= high, f"between {low} and {high}")
 one_of = lambda *names: (lambda v: v in names, "one of " + ", ".join(names))
 DEVICE = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "'auto', 'cpu', 'cuda' or 'cuda:N'")
+FLOAT32_MAX = 3.4028234663852886e38
 STEPS = (lambda v: re.fullmatch(r"[1-8]-[1-8]", v) and v[0] <= v[2], "MIN-MAX, 1 <= MIN <= MAX <= 8")
 
 
@@ -53,7 +54,7 @@ class Config:
     eval_data: str = arg("", "held-out problems; default: the test split of --data (for .jsonl: the same file)")
     out: str = arg("out", "output directory: metrics.jsonl, samples.jsonl, checkpoint/")
     algo: str = arg("vineppo", "vineppo | ppo (critic) | tppo (tracking critic) | grpo", one_of(*ppo.ALGOS))
-    seed: int = arg(0, "random seed")
+    seed: int = arg(0, "random seed", (lambda v: 0 <= v < 2**63, "0 <= SEED < 2**63 (torch's seeds)"))
     iterations: int = arg(650, "RL iterations (sample, estimate, update)", at_least(0))
     prompts_per_iter: int = arg(64, "problems sampled per iteration", at_least(1))
     samples_per_prompt: int = arg(8, "responses sampled per problem", at_least(1))
@@ -75,7 +76,8 @@ class Config:
     warmup: float = arg(0.03, "fraction of steps in log-shaped warm-up, then linear decay to 0", between(0, 1))
     clip: float = arg(0.2, "PPO clip range epsilon", above(0))
     kl_coef: float = arg(1e-4, "coefficient of the k3 KL to the reference model, in the loss", at_least(0))
-    temperature: float = arg(0.6, "sampling temperature (also divides the logits of every log-prob)", above(0))
+    temperature: float = arg(0.6, "sampling temperature (also divides the logits of every log-prob)",
+                             at_least(1e-3))  # lower: logits / temperature overflow float32
     top_p: float = arg(0.9, "nucleus sampling (the log-probs do not model it: 1.0 samples exactly the policy)",
                        (lambda v: 0 < v <= 1, "in (0, 1]"))
     max_new_tokens: int = arg(1024, "token budget of a response; an unfinished response scores 0", at_least(1))
@@ -83,7 +85,8 @@ class Config:
     eval_every: int = arg(10, "evaluate before RL, every N iterations and at the end (0: no N)", at_least(0))
     eval_problems: int = arg(0, "held-out problems per evaluation (0 = all)", at_least(0))
     eval_samples: int = arg(16, "samples per held-out problem (accuracy = mean over them)", at_least(1))
-    eval_temperature: float = arg(0.35, "sampling temperature at evaluation (0 = greedy)", at_least(0))
+    eval_temperature: float = arg(0.35, "sampling temperature at evaluation (0 = greedy)",
+                                  (lambda v: v == 0 or v >= 1e-3, "0 (greedy) or >= 0.001"))
     save_every: int = arg(10, "checkpoint every N iterations and at the end (0: only at the end)", at_least(0))
     sft_steps: int = arg(0, "supervised warm-up steps on the gold solutions before RL", at_least(0))
     sft_lr: float = arg(1e-5, "SFT learning rate", at_least(0))
@@ -132,8 +135,13 @@ def parse_args(argv=None) -> Config:
         cfg.model = checkpoint.MATH_ALIASES.get(cfg.model, cfg.model)
     for f in dataclasses.fields(Config):  # every setting against its rule, once, before any work
         v, (test, expected) = getattr(cfg, f.name), f.metadata["valid"] or (lambda v: True, "")
-        if (isinstance(v, float) and not math.isfinite(v)) or not test(v):
-            p.error(f"--{f.name.replace('_', '-')} {v!r}: expected {expected or 'a finite number'}")
+        # what the tensors that take it can hold: a float32 (finite) or an int64
+        holds = abs(v) <= FLOAT32_MAX if isinstance(v, float) else not isinstance(v, int) or abs(v) < 2**63
+        kind = "a finite float32" if isinstance(v, float) else "an int64"
+        if not holds or not test(v):
+            p.error(f"--{f.name.replace('_', '-')} {v!r}: expected {expected if holds else kind}")
+    if cfg.resume and cfg.overwrite:
+        p.error("--resume and --overwrite: pick one (--resume continues the run, --overwrite replaces it)")
     if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
         p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
@@ -225,10 +233,24 @@ def log(out: str, row: dict):
                        "skipped")
 
 
+def stop(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)  # SIGTERM unwinds as Ctrl-C does, to the line below
+
+
 if __name__ == "__main__":
+    cfg = parse_args()
+    signal.signal(signal.SIGTERM, stop)
     try:
-        main(parse_args())
+        main(cfg)
         parallel.close()
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a write that failed: a full disk, no permission
+        print(f"error: {e}; {checkpoint.resume_hint(cfg.out)}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt as e:  # Ctrl-C (SIGINT) or SIGTERM: exit status 128 + the signal's number
+        name = str(e) or "SIGINT"
+        if parallel.rank() == 0:
+            print(f"stopped by {name}; {checkpoint.resume_hint(cfg.out)}", file=sys.stderr)
+        sys.exit(128 + signal.Signals[name])
