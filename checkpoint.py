@@ -15,7 +15,7 @@ from reward import DataError, first_line
 ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's SFT checkpoint
 # what a resumed run cannot change: its models, data and what the reference was made from
 RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "arith_steps", "arith_slip",
-                     "sft_steps", "sft_lr", "sft_batch")
+                     "arith_traps", "sft_steps", "sft_lr", "sft_batch")
 RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
 
 
