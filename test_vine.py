@@ -534,7 +534,7 @@ def test_trap_chains_err_exactly_as_designed():
         assert counts == {1, 2, 3} and wrong / wrapping == pytest.approx(forget, abs=0.05)
 
 
-def test_compare_summary_hand_example(tmp_path):
+def test_compare_summary_hand_example(tmp_path, capsys):
     """compare.py: accuracy at each evaluation against training seconds (evaluation excluded), the
     mean and standard error over seeds, and the accuracy when the fastest method had finished."""
     import compare
@@ -546,14 +546,25 @@ def test_compare_summary_hand_example(tmp_path):
 
     slow = [write(f"slow{s}", [{"iteration": 0, "eval_accuracy": 0.5}, {"iteration": 1, "seconds": 10.0},
                                {"iteration": 2, "seconds": 10.0, "eval_accuracy": acc}]) for s, acc in ((0, .7), (1, .9))]
-    fast = [write("fast0", [{"iteration": 0, "eval_accuracy": 0.5}, {"iteration": 1, "seconds": 5.0},
-                            {"iteration": 2, "seconds": 6.0, "eval_accuracy": 0.6}])]
+    fast = [write("fast0", [{"iteration": 0, "eval_accuracy": 0.5, "eval_greedy_accuracy": 0.4},
+                            {"iteration": 1, "seconds": 5.0},
+                            {"iteration": 2, "seconds": 6.0, "eval_accuracy": 0.6, "eval_greedy_accuracy": 0.7}])]
+    assert compare.curve(str(tmp_path / "fast0"), "eval_greedy_accuracy") == [(0, 0.0, 0.4), (2, 11.0, 0.7)]
     assert slow[0] == [(0, 0.0, 0.5), (2, 20.0, 0.7)] and fast[0] == [(0, 0.0, 0.5), (2, 11.0, 0.6)]
     summary = compare.summarize({"slow": slow, "fast": fast})
     assert summary["slow"]["final"] == pytest.approx((0.8, 0.1))  # s.e. = stdev 0.1414 / sqrt(2)
     assert summary["slow"]["seconds"] == 20.0 and summary["slow"]["budget"] == 11.0
     assert summary["slow"]["at_budget"] == pytest.approx((0.5, 0.0))  # by 11 s only its start was evaluated
     assert summary["fast"]["at_budget"] == (0.6, 0.0)
+    renamed = {"vineppo": summary["slow"], "grpo": summary["fast"]}
+    assert compare.lead(renamed, "grpo", "final") == pytest.approx((0.2, 0.1))  # s.e.s combined: sqrt(.1² + 0²)
+    assert compare.lead(renamed, "grpo", "at_budget") == pytest.approx((-0.1, 0.0))
+    assert [compare.verdict(m_se) for m_se in ((0.2, 0.1), (0.21, 0.1), (-0.21, 0.1), (-0.1, 0.0))] == \
+        ["within noise", "counts", "counts against", "counts against"]  # beyond twice the s.e., not at it
+    compare.report({"6-8": renamed, "10-12": renamed}, "greedy accuracy")
+    out = capsys.readouterr().out
+    assert "lead over grpo at equal iterations: 6-8: 0.200 ± 0.100 (within noise), 10-12: 0.200 ± 0.100 " \
+        "(within noise); growth 0.000 ± 0.141 (within noise)" in out
 
 
 # ---- data errors and end-to-end runs ------------------------------------------------------
