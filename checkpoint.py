@@ -16,7 +16,7 @@ ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's 
 MATH_ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-MATH"}  # and its MATH one (--data math)
 # what a resumed run cannot change: its models, data and what the reference was made from
 RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "arith_steps", "arith_slip",
-                     "sft_steps", "sft_lr", "sft_batch")
+                     "arith_traps", "sft_steps", "sft_lr", "sft_batch")
 RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
 # what else a run writes in --out (or a kill leaves there): --overwrite removes these too
 LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "metrics.jsonl.tmp",

@@ -1,14 +1,16 @@
 """Does step-level credit assignment matter more on longer chains? VinePPO, GRPO and PPO side by side.
 
-    python compare.py                                    # the README's experiment (81 min of 1-thread runs)
-    python compare.py --chains 2-5 --seeds 0 --iterations 4 --algos vineppo,grpo   # a quick look
+X
+    python compare.py --chains 6-8 --seeds 0 --iterations 2 --algos vineppo,grpo --jobs 1   # a quick look
 
-For each chain length (`--arith-steps` of the built-in task): one SFT start (`train.py
---iterations 0`), then every method and seed from that checkpoint with the demo's settings, so
-the methods differ only in how they assign credit. Finished runs in --out are reused. Prints, per
-chain length and method: held-out accuracy at the start and at the end (mean and standard error
-over seeds), training seconds, and the accuracy each method had reached when the fastest one
-finished (equal wall-clock); then VinePPO's lead over each other method on each chain length.
+For each chain length (`--arith-steps` of the built-in task, with `--arith-traps`): one SFT start
+(`train.py --iterations 0`), then every method and seed from that checkpoint with the demo's
+settings, so the methods differ only in how they assign credit; the chain lengths run side by
+side, one process and one torch thread each (--jobs). Finished runs in --out are reused. Prints,
+per chain length, method and accuracy (at T = 0.35 and greedy): held-out accuracy at the start
+and at the end (mean and standard error over seeds), training seconds, and the accuracy each
+method had reached when the fastest one finished (equal wall-clock); then VinePPO's lead over
+each other method at equal iterations and at equal wall-clock, and its change with the chain length.
 With matplotlib installed, also writes the learning curves to OUT/curves.png.
 """
 import argparse
@@ -31,16 +33,17 @@ def run(out: str, *args):
         open(os.path.join(out, "finished"), "w").close()
 
 
-def curve(out: str) -> list[tuple[int, float, float]]:
+def curve(out: str, metric: str = "eval_accuracy") -> list[tuple[int, float, float]]:
     """(iteration, training seconds so far, held-out accuracy) at every evaluation of a run; the
-    seconds are train.py's per-iteration times, evaluation excluded."""
+    seconds are train.py's per-iteration times, evaluation excluded. metric: eval_accuracy (at
+    T = 0.35) or eval_greedy_accuracy."""
     points, seconds = [], 0.0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     for row in rows:
         seconds += row.get("seconds", 0.0)
-        if "eval_accuracy" in row:
-            points.append((row["iteration"], seconds, row["eval_accuracy"]))
+        if metric in row:
+            points.append((row["iteration"], seconds, row[metric]))
     return points
 
 
@@ -63,72 +66,112 @@ def summarize(curves: dict) -> dict:
             for algo, runs in curves.items()}
 
 
-def report(results: dict):
+def lead(summary: dict, other: str, key: str) -> tuple[float, float]:
+    """VinePPO's lead over `other` in summary[..][key] (final or at_budget), ± the standard errors combined."""
+    (v, v_se), (o, o_se) = summary["vineppo"][key], summary[other][key]
+    return v - o, (v_se ** 2 + o_se ** 2) ** 0.5
+
+
+def verdict(m_se: tuple[float, float]) -> str:
+    """The counting rule fixed before the experiments: a difference counts beyond twice its standard error."""
+    m, se = m_se
+    return "counts" if m > 2 * se else "counts against" if m < -2 * se else "within noise"
+
+
+def report(results: dict, metric: str):
     cell = lambda m_se: f"{m_se[0]:.3f} ± {m_se[1]:.3f}"
     for chains, summary in results.items():
-        print(f"\nchains of {chains} steps (mean ± s.e. over seeds)")
+        print(f"\n{metric}, chains of {chains} steps (mean ± s.e. over seeds)")
         print(f"{'method':8} {'start':>12} {'final':>12} {'seconds':>8} {'at equal time':>16}")
         for algo, s in summary.items():
             print(f"{algo:8} {cell(s['start']):>12} {cell(s['final']):>12} {s['seconds']:>8.0f} "
                   f"{cell(s['at_budget']):>16}  (at {s['budget']:.0f} s)")
-    for other in [a for a in next(iter(results.values())) if a != "vineppo"]:
-        leads = []
-        for chains, summary in results.items():
-            if "vineppo" in summary:
-                (v, v_se), (o, o_se) = summary["vineppo"]["final"], summary[other]["final"]
-                leads.append(f"{chains}: {v - o:+.3f} ± {(v_se ** 2 + o_se ** 2) ** 0.5:.3f}")
-        print(f"VinePPO's final lead over {other}: " + ", ".join(leads))
+    first, last = list(results)[0], list(results)[-1]
+    for other in [a for a in results[first] if a != "vineppo" and "vineppo" in results[first]]:
+        for key, words in (("final", "at equal iterations"), ("at_budget", "at equal wall-clock")):
+            leads = {chains: lead(summary, other, key) for chains, summary in results.items()}
+            growth = (leads[last][0] - leads[first][0], (leads[last][1] ** 2 + leads[first][1] ** 2) ** 0.5)
+            print(f"{metric}: VinePPO's lead over {other} {words}: "
+                  + ", ".join(f"{c}: {cell(m_se)} ({verdict(m_se)})" for c, m_se in leads.items())
+                  + (f"; growth {cell(growth)} ({verdict(growth)})" if first != last else ""))
 
 
 def plot(curves: dict, path: str):
-    """Held-out accuracy against iteration and against training seconds: a row per chain length,
-    a line per method (the mean over seeds) with the seeds' range shaded."""
+    """Held-out accuracy (at T = 0.35 and greedy) against iteration and against training seconds: a row
+    per chain length, a line per method (the mean over seeds) with the seeds' range shaded."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(curves), 2, figsize=(9, 3.2 * len(curves)), squeeze=False)
-    for row, (chains, by_algo) in zip(axes, curves.items()):
-        for algo, runs in by_algo.items():
-            accs = list(zip(*[[acc for _, _, acc in c] for c in runs]))  # per evaluation, one per seed
-            mean = [statistics.mean(a) for a in accs]
-            for ax, x in zip(row, ([it for it, _, _ in runs[0]],
-                                   [statistics.mean(c[i][1] for c in runs) for i in range(len(accs))])):
-                line, = ax.plot(x, mean, marker="o", markersize=3, label=algo)
-                ax.fill_between(x, [min(a) for a in accs], [max(a) for a in accs], alpha=0.2,
-                                color=line.get_color())
-        row[0].set(xlabel="iteration", ylabel=f"held-out accuracy\nchains of {chains} steps")
-        row[1].set(xlabel="training seconds")
+    chain_lengths = list(next(iter(curves.values())))
+    fig, axes = plt.subplots(len(chain_lengths), 4, figsize=(16, 3.2 * len(chain_lengths)), squeeze=False)
+    for row, chains in zip(axes, chain_lengths):
+        for pair, (metric, by_chains) in zip((row[:2], row[2:]), curves.items()):
+            for algo, runs in by_chains[chains].items():
+                accs = list(zip(*[[acc for _, _, acc in c] for c in runs]))  # per evaluation, one per seed
+                mean = [statistics.mean(a) for a in accs]
+                for ax, x in zip(pair, ([it for it, _, _ in runs[0]],
+                                        [statistics.mean(c[i][1] for c in runs) for i in range(len(accs))])):
+                    line, = ax.plot(x, mean, marker="o", markersize=3, label=algo)
+                    ax.fill_between(x, [min(a) for a in accs], [max(a) for a in accs], alpha=0.2,
+                                    color=line.get_color())
+            pair[0].set(xlabel="iteration", ylabel=f"{METRICS[metric]}\nchains of {chains} steps")
+            pair[1].set(xlabel="training seconds")
         row[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 
 
+METRICS = {"eval_accuracy": "accuracy at T = 0.35", "eval_greedy_accuracy": "greedy accuracy"}
+
+
+def as_flags(settings: dict) -> list[str]:
+    return [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="compare", help="directory for all runs (finished runs are reused)")
-    p.add_argument("--chains", default="2-3,6-8", help="comma-separated --arith-steps settings")
+    p.add_argument("--chains", default="6-8,12-16", help="comma-separated --arith-steps settings")
+    p.add_argument("--traps", default="0-2", help="--arith-traps of every run ('': the plain task)")
+    p.add_argument("--slip", type=float, default=0.7, help="--arith-slip of the SFT demonstrations")
     p.add_argument("--algos", default="vineppo,grpo,ppo")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
-    p.add_argument("--iterations", type=int, default=train.DEMO["iterations"])
-    p.add_argument("--eval-every", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--eval-problems", type=int, default=200, help="held-out problems per evaluation")
+    p.add_argument("--jobs", type=int, default=2, help="chain lengths run side by side, one torch thread each")
     args = p.parse_args()
-    seeds, algos = [int(s) for s in args.seeds.split(",")], args.algos.split(",")
+    seeds, algos, chain_lengths = [int(s) for s in args.seeds.split(",")], args.algos.split(","), \
+        args.chains.split(",")
+    if args.jobs > 1 and len(chain_lengths) > 1:  # one process per chain length; then report from their runs
+        os.makedirs(args.out, exist_ok=True)
+        logs = [open(os.path.join(args.out, f"chains{c}.log"), "w") for c in chain_lengths]
+        children = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--chains", c, "--jobs", "1"],
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
+                    for c, log in zip(chain_lengths, logs)]
+        if any(child.wait() for child in children):
+            sys.exit(f"a chain length's runs failed: see {args.out}/chains*.log")
+        print(f"runs done (logs: {args.out}/chains*.log)")
 
-    curves = {}
-    for chains in args.chains.split(","):
+    curves = {metric: {} for metric in METRICS}
+    for chains in chain_lengths:
         base = os.path.join(args.out, f"chains{chains}")
-        run(os.path.join(base, "sft"), "--iterations", "0", "--arith-steps", chains)  # the demo's SFT, once
-        settings = {**train.DEMO, "iterations": args.iterations, "sft_steps": 0, "eval_every": args.eval_every,
-                    "arith_steps": chains}
-        flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-        curves[chains] = {algo: [] for algo in algos}
+        task = {"arith_steps": chains, "arith_traps": args.traps, "arith_slip": args.slip,
+                "max_new_tokens": max(train.DEMO["max_new_tokens"], 7 * int(chains.split("-")[1]) + 16)}
+        run(os.path.join(base, "sft"), "--iterations", "0", *as_flags(task))  # the demo's SFT, once
+        settings = {**train.DEMO, **task, "iterations": args.iterations, "sft_steps": 0,
+                    "eval_every": args.eval_every, "eval_problems": args.eval_problems}
+        runs = {algo: [] for algo in algos}
         for seed in seeds:  # methods interleaved, so a machine's changing load touches all of them alike
             for algo in algos:
                 out = os.path.join(base, f"{algo}-seed{seed}")
                 run(out, "--model", os.path.join(base, "sft", "checkpoint"), "--algo", algo, "--seed", str(seed),
-                    *flags)
-                curves[chains][algo].append(curve(out))
-    report({chains: summarize(by_algo) for chains, by_algo in curves.items()})
+                    *as_flags(settings))
+                runs[algo].append(out)
+        for metric in METRICS:
+            curves[metric][chains] = {algo: [curve(out, metric) for out in outs] for algo, outs in runs.items()}
+    for metric, by_chains in curves.items():
+        report({chains: summarize(by_algo) for chains, by_algo in by_chains.items()}, METRICS[metric])
     try:
         plot(curves, os.path.join(args.out, "curves.png"))
         print(f"\nlearning curves: {os.path.join(args.out, 'curves.png')}")

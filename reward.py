@@ -1,6 +1,7 @@
 """GSM8K-format problems ("answer" ends in "#### N") from the hub, a .jsonl file or the built-in "arith";
 MATH problems ("problem", "solution" with a \\boxed{} answer), graded up to equivalence by math_grader.py."""
 import functools
+import hashlib
 import json
 import random
 import re
@@ -66,9 +67,58 @@ def apply(total: int, sign: str, x: int) -> int:
     return total + x if sign == "+" else total - x
 
 
-def arith_dataset(n: int, seed: int, steps: tuple[int, int] = (2, 5), slip: float = 0.0) -> list[dict]:
+def trap_problem(rng: random.Random, min_steps: int, max_steps: int, traps: tuple[int, int],
+                 forget: float) -> dict:
+    """--arith-traps: running totals modulo 10, 'What is (7+5-8) mod 10?' -> '7+5=2\n2-8=4\n#### 4', chains
+    of any length. A trap is a step that wraps past 9 or below 0 (a carry or a borrow); a chain has MIN-MAX
+    of them, at random places. The SFT demonstration makes a systematic error at its own wrapping steps:
+    with p = forget it writes the result one too high (mod 10), and goes on from there."""
+    n = rng.randint(min_steps, max_steps)
+    hard = set(rng.sample(range(n), min(n, rng.randint(*traps))))
+    total = sloppy = rng.randint(0, 9)
+    question, lines, demo = str(total), [], []
+    for i in range(n):
+        sign, x = rng.choice([(sign, x) for sign in "+-" for x in range(1, 10)
+                              if wraps(total, sign, x) == (i in hard)])  # 9 of the 18 either way
+        question += f"{sign}{x}"
+        lines.append(f"{total}{sign}{x}={apply(total, sign, x) % 10}")
+        result = (apply(sloppy, sign, x) + (wraps(sloppy, sign, x) and rng.random() < forget)) % 10
+        demo.append(f"{sloppy}{sign}{x}={result}")
+        total, sloppy = apply(total, sign, x) % 10, result
+    return {"question": f"What is ({question}) mod 10?", "answer": "\n".join(lines) + f"\n#### {total}",
+            "demonstration": "\n".join(demo) + f"\n#### {sloppy}"}
+
+
+def wraps(total: int, sign: str, x: int) -> bool:
+    return not 0 <= apply(total, sign, x) <= 9
+
+
+def split_of(question: str) -> str:
+    """'test' for one question in HELD_OUT, chosen by a hash of its text (the same on every machine)."""
+    digest = hashlib.sha256(question.strip().encode()).digest()
+    return "test" if int.from_bytes(digest[:8], "big") % HELD_OUT == 0 else "train"
+
+
+HELD_OUT = 5  # one question in 5 belongs to the held-out split
+ATTEMPTS = 20  # problems drawn per problem asked for, at most: small question spaces run out
+
+
+def arith_dataset(n: int, seed: int, steps: tuple[int, int] = (2, 5), slip: float = 0.0,
+                  traps: tuple[int, int] | None = None, split: str | None = None) -> list[dict]:
+    """Up to n problems with distinct questions, all of `split` (None: either); fewer where its questions
+    run out (a short chain has few: 10 * 9^n of n steps), after ATTEMPTS * n draws."""
     rng = random.Random(seed)
-    return [arith_problem(rng, *steps, slip) for _ in range(n)]
+    draw = (lambda: trap_problem(rng, *steps, traps, slip)) if traps else \
+        (lambda: arith_problem(rng, *steps, slip))
+    problems, seen = [], set()
+    for _ in range(ATTEMPTS * n):
+        p = draw()
+        if p["question"] not in seen and split in (None, split_of(p["question"])):
+            seen.add(p["question"])
+            problems.append(p)
+            if len(problems) == n:
+                break
+    return problems
 
 
 def check_fields(row, where: str, fields: tuple[str, str]):
@@ -110,15 +160,27 @@ def read_jsonl(path: str) -> list[dict]:
     return problems
 
 
-def load_problems(data: str, split: str, steps: str = "2-5", slip: float = 0.0) -> list[dict]:
-    """'arith' (2000 problems a split, the same for every seed) | 'gsm8k' (openai/gsm8k) | a .jsonl file
-    (any split); each problem with its prompt text: the reference's template, or the built-in task's.
-    steps: arith's --arith-steps, 'MIN-MAX'."""
+def load_problems(data: str, split: str, steps: str = "2-5", slip: float = 0.0, traps: str = "",
+                  hold_out: bool = False) -> list[dict]:
+    """'arith' (up to 2000 problems a split, the same for every seed; no held-out question is a training
+    question) | 'gsm8k' (openai/gsm8k) | a .jsonl file (any split; with hold_out, the questions of `split`
+    by split_of). Each problem with its prompt text: the reference's template, or the built-in task's.
+    steps, traps: arith's --arith-steps and --arith-traps, 'MIN-MAX' ('' traps: the plain task)."""
     if data == "arith":
-        min_max = tuple(int(n) for n in steps.split("-"))
-        problems = arith_dataset(2000, seed=0 if split == "train" else 10_000, steps=min_max, slip=slip)
+        min_max, n_traps = (tuple(int(n) for n in s.split("-")) if s else None for s in (steps, traps))
+        problems = arith_dataset(2000, seed=0 if split == "train" else 10_000, steps=min_max, slip=slip,
+                                 traps=n_traps, split=split)
+        if len(problems) < 2000 and split == "test":
+            print(f"--arith-steps {steps}: the held-out split has only {len(problems)} distinct questions")
     elif data.endswith(".jsonl"):
         problems = read_jsonl(data)
+        if hold_out:
+            problems = [p for p in problems if split_of(p["question"]) == split]
+            if split == "test":
+                print(f"--data {data} without --eval-data: one question in {HELD_OUT} ({len(problems)}) "
+                      "is held out for evaluation and not trained on")
+            if not problems:
+                raise DataError(f"{data}: too few problems to hold out a {split} split; give --eval-data")
     elif data == "gsm8k":
         problems = hub_problems("gsm8k", "openai/gsm8k", "main", split, check_problem, "GSM8K's format, one "
                                 "{\"question\": ..., \"answer\": ...} object per line")

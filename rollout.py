@@ -231,17 +231,22 @@ def per_response(logp, episodes):
             for i, ep in enumerate(episodes)]
 
 
-def evaluate(policy, problems, cfg, tok, gen, grade, autocast, iteration: int) -> float:
-    """Held-out accuracy: the mean reward of --eval-samples samples per problem; three go to samples.jsonl."""
+def evaluate(policy, problems, cfg, tok, gen, grade, autocast, iteration: int) -> dict:
+    """Held-out accuracy: the mean reward of --eval-samples samples per problem at --eval-temperature (the
+    paper's 0.35), and of one greedy answer per problem; three samples go to samples.jsonl."""
+    mine = problems[parallel.rank()::parallel.world_size()]
     with autocast, parallel.whole(policy):
-        episodes = sample_episodes(policy, problems[parallel.rank()::parallel.world_size()], cfg.eval_samples,
-                                   grade, temperature=cfg.eval_temperature, **gen)
+        episodes = sample_episodes(policy, mine, cfg.eval_samples, grade, temperature=cfg.eval_temperature,
+                                   **gen)
+        greedy = sample_episodes(policy, mine, 1, grade, temperature=0.0, **gen)
     if parallel.rank() == 0:
         with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
             text = lambda ids: tok.decode(ids, skip_special_tokens=True)
             for ep in episodes[: 3 * cfg.eval_samples: cfg.eval_samples]:
                 row = dict(iteration=iteration, prompt=text(ep.prompt_ids), response=text(ep.response_ids))
                 f.write(json.dumps({**row, "gold": ep.gold, "reward": ep.reward}) + "\n")
-    totals = torch.tensor([sum(ep.reward for ep in episodes), len(episodes)], dtype=torch.float64)
-    correct, count = parallel.all_reduce_sum(totals.to(next(policy.parameters()).device))
-    return (correct / count).item()
+    totals = torch.tensor([sum(ep.reward for ep in eps) for eps in (episodes, greedy)] + [len(mine)],
+                          dtype=torch.float64)
+    sampled, greedy_correct, count = parallel.all_reduce_sum(totals.to(next(policy.parameters()).device))
+    return {"eval_accuracy": (sampled / (count * cfg.eval_samples)).item(),
+            "eval_greedy_accuracy": (greedy_correct / count).item()}

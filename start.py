@@ -66,8 +66,9 @@ def start_run(cfg, device, autocast):
     """Data, models, learners (ppo.Learner) and the last iteration done (None for a fresh run)."""
     prepare_out(cfg)
     go_offline_without_hub(cfg)
-    train_set = reward.load_problems(cfg.data, "train", steps=cfg.arith_steps, slip=cfg.arith_slip)
-    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", steps=cfg.arith_steps)
+    task = dict(steps=cfg.arith_steps, traps=cfg.arith_traps, hold_out=not cfg.eval_data)  # .jsonl: no overlap
+    train_set = reward.load_problems(cfg.data, "train", slip=cfg.arith_slip, **task)
+    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", **task)
     eval_set = eval_set[: cfg.eval_problems or None]
     resume_from, state = checkpoint.find_resume(cfg)
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)

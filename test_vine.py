@@ -19,7 +19,8 @@ import ppo
 import rollout
 import value
 import vine
-from reward import DataError, arith_dataset, extract_answer, gsm8k_reward, read_jsonl, sft_target
+from reward import (DataError, arith_dataset, extract_answer, gsm8k_reward, load_problems, read_jsonl, sft_target,
+                    split_of)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -479,7 +480,61 @@ def test_diagnostic_metrics_hand_examples():
     assert diagnose.delta_correlation(rows, "est") == pytest.approx(1.0)
 
 
-def test_compare_summary_hand_example(tmp_path):
+def test_arith_held_out_questions_are_never_training_questions():
+    """For every --arith-steps (with and without traps): each split's questions are distinct and its
+    own by split_of, so none is in both; one chain step has 10 * 9 questions, all found, 1 in 5 held out."""
+    settings = [((lo, hi), None) for lo in range(1, 9) for hi in range(lo, 9)] + \
+        [((lo, hi), traps) for lo, hi in ((1, 1), (2, 3), (6, 8), (12, 16), (30, 40)) for traps in ((0, 2), (1, 3))]
+    for steps, traps in settings:
+        train, test = ([p["question"] for p in arith_dataset(40, 0, steps, 0.5, traps, split)]
+                       for split in ("train", "test"))
+        assert len(set(train)) == len(train) and len(set(test)) == len(test) and not set(train) & set(test)
+        assert {split_of(q) for q in train} <= {"train"} and {split_of(q) for q in test} <= {"test"}
+    every = [p["question"] for split in ("train", "test") for p in arith_dataset(2000, 0, (1, 1), split=split)]
+    assert len(set(every)) == 90 and sum(split_of(q) == "test" for q in every) == 15
+
+
+def test_short_chains_and_jsonl_without_eval_data_hold_out_a_split(tmp_path, capsys):
+    assert len(load_problems("arith", "test", steps="1-1")) == 15
+    assert "--arith-steps 1-1: the held-out split has only 15 distinct questions" in capsys.readouterr().out
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(50)))
+    train, test = (load_problems(str(path), split, hold_out=True) for split in ("train", "test"))
+    assert "is held out for evaluation and not trained on" in capsys.readouterr().out
+    assert sorted(p["question"] for p in train + test) == sorted(f"q{i}" for i in range(50))
+    assert test and not {p["question"] for p in train} & {p["question"] for p in test}
+    assert len(load_problems(str(path), "test")) == 50  # with --eval-data: the file as it is
+    path.write_text(json.dumps({"question": "q0", "answer": "#### 0"}) + "\n")  # q0 is a training question
+    with pytest.raises(DataError, match="too few problems to hold out a test split; give --eval-data"):
+        load_problems(str(path), "test", hold_out=True)
+
+
+def test_trap_chains_err_exactly_as_designed():
+    """--arith-traps: the answer's lines are right modulo 10 and wrap (carry/borrow) in MIN-MAX of them;
+    the demonstration is right wherever its own line does not wrap, and where it does, one too high with
+    p = forget (all of them at 1, none at 0: the demonstration is then the answer)."""
+    def parse(line):
+        lhs, rhs = line.split("=")
+        a, op, b = lhs.partition("+") if "+" in lhs else lhs.partition("-")
+        exact = int(a) + int(b) if op == "+" else int(a) - int(b)
+        return int(a), exact % 10, not 0 <= exact <= 9, int(rhs)
+
+    for forget in (0.0, 0.7, 1.0):
+        wrapping, wrong, counts = 0, 0, set()
+        for p in arith_dataset(300, seed=5, steps=(6, 9), slip=forget, traps=(1, 3)):
+            answer, demo = ([parse(line) for line in text.split("\n")[:-1]] for text in (p["answer"], p["demonstration"]))
+            assert 6 <= len(answer) <= 9 and all(right == said for _, right, _, said in answer)
+            assert [a for a, *_ in answer[1:]] == [said for *_, said in answer[:-1]]  # each goes on from the last
+            counts.add(sum(wraps for _, _, wraps, _ in answer))
+            assert p["answer"].endswith(f"#### {answer[-1][3]}") and p["demonstration"].endswith(f"#### {demo[-1][3]}")
+            for _, right, wraps, said in demo:
+                assert said == right if not wraps else said in (right, (right + 1) % 10)
+                wrapping, wrong = wrapping + wraps, wrong + (said != right)
+            assert forget or p["demonstration"] == p["answer"]
+        assert counts == {1, 2, 3} and wrong / wrapping == pytest.approx(forget, abs=0.05)
+
+
+def test_compare_summary_hand_example(tmp_path, capsys):
     """compare.py: accuracy at each evaluation against training seconds (evaluation excluded), the
     mean and standard error over seeds, and the accuracy when the fastest method had finished."""
     import compare
@@ -491,14 +546,25 @@ def test_compare_summary_hand_example(tmp_path):
 
     slow = [write(f"slow{s}", [{"iteration": 0, "eval_accuracy": 0.5}, {"iteration": 1, "seconds": 10.0},
                                {"iteration": 2, "seconds": 10.0, "eval_accuracy": acc}]) for s, acc in ((0, .7), (1, .9))]
-    fast = [write("fast0", [{"iteration": 0, "eval_accuracy": 0.5}, {"iteration": 1, "seconds": 5.0},
-                            {"iteration": 2, "seconds": 6.0, "eval_accuracy": 0.6}])]
+    fast = [write("fast0", [{"iteration": 0, "eval_accuracy": 0.5, "eval_greedy_accuracy": 0.4},
+                            {"iteration": 1, "seconds": 5.0},
+                            {"iteration": 2, "seconds": 6.0, "eval_accuracy": 0.6, "eval_greedy_accuracy": 0.7}])]
+    assert compare.curve(str(tmp_path / "fast0"), "eval_greedy_accuracy") == [(0, 0.0, 0.4), (2, 11.0, 0.7)]
     assert slow[0] == [(0, 0.0, 0.5), (2, 20.0, 0.7)] and fast[0] == [(0, 0.0, 0.5), (2, 11.0, 0.6)]
     summary = compare.summarize({"slow": slow, "fast": fast})
     assert summary["slow"]["final"] == pytest.approx((0.8, 0.1))  # s.e. = stdev 0.1414 / sqrt(2)
     assert summary["slow"]["seconds"] == 20.0 and summary["slow"]["budget"] == 11.0
     assert summary["slow"]["at_budget"] == pytest.approx((0.5, 0.0))  # by 11 s only its start was evaluated
     assert summary["fast"]["at_budget"] == (0.6, 0.0)
+    renamed = {"vineppo": summary["slow"], "grpo": summary["fast"]}
+    assert compare.lead(renamed, "grpo", "final") == pytest.approx((0.2, 0.1))  # s.e.s combined: sqrt(.1² + 0²)
+    assert compare.lead(renamed, "grpo", "at_budget") == pytest.approx((-0.1, 0.0))
+    assert [compare.verdict(m_se) for m_se in ((0.2, 0.1), (0.21, 0.1), (-0.21, 0.1), (-0.1, 0.0))] == \
+        ["within noise", "counts", "counts against", "counts against"]  # beyond twice the s.e., not at it
+    compare.report({"6-8": renamed, "10-12": renamed}, "greedy accuracy")
+    out = capsys.readouterr().out
+    assert "lead over grpo at equal iterations: 6-8: 0.200 ± 0.100 (within noise), 10-12: 0.200 ± 0.100 " \
+        "(within noise); growth 0.000 ± 0.141 (within noise)" in out
 
 
 # ---- data errors and end-to-end runs ------------------------------------------------------
@@ -558,8 +624,8 @@ def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1, 2]
-    for key in ("train_reward", "eval_accuracy", "kl", "policy_loss", "clipfrac", "approx_kl",
-                "tokens_generated", "seconds", "time_rollout", "time_values", "time_update"):
+    for key in ("train_reward", "eval_accuracy", "eval_greedy_accuracy", "kl", "policy_loss", "clipfrac",
+                "approx_kl", "tokens_generated", "seconds", "time_rollout", "time_values", "time_update"):
         assert key in rows[-1]
     assert rows[1]["mc_states"] > 0 and (tmp_path / "samples.jsonl").exists()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
@@ -721,8 +787,9 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
     (["--eval-every", "-1"], "--eval-every -1: expected >= 0"),
     (["--gamma", "2"], "--gamma 2.0: expected between 0 and 1"),
     (["--arith-slip", "1.5"], "--arith-slip 1.5: expected between 0 and 1"),
-    (["--arith-steps", "5-2"], "--arith-steps '5-2': expected MIN-MAX, 1 <= MIN <= MAX <= 8"),
-    (["--arith-steps", "2-9"], "--arith-steps '2-9': expected MIN-MAX, 1 <= MIN <= MAX <= 8"),
+    (["--arith-steps", "5-2"], "--arith-steps '5-2': expected MIN-MAX, 1 <= MIN <= MAX"),
+    (["--arith-steps", "2-9"], "--arith-steps 2-9: at most 8 steps without --arith-traps"),
+    (["--arith-traps", "3"], "--arith-traps '3': expected '' or MIN-MAX, 0 <= MIN <= MAX"),
     (["--kl-coef", "-1"], "--kl-coef -1.0: expected >= 0"),
     (["--value-head", "scalar"], "--value-head 'scalar': only ppo and tppo have a critic, not vineppo"),
     (["--value-head", "tracking", "--algo", "grpo"], "--value-head 'tracking': only ppo and tppo have a critic"),

@@ -42,7 +42,9 @@ between = lambda low, high: (lambda v: low <= v <= high, f"between {low} and {hi
 one_of = lambda *names: (lambda v: v in names, "one of " + ", ".join(names))
 DEVICE = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "'auto', 'cpu', 'cuda' or 'cuda:N'")
 FLOAT32_MAX = 3.4028234663852886e38
-STEPS = (lambda v: re.fullmatch(r"[1-8]-[1-8]", v) and v[0] <= v[2], "MIN-MAX, 1 <= MIN <= MAX <= 8")
+ordered = lambda v, low: re.fullmatch(r"\d+-\d+", v) and low <= int(v.split("-")[0]) <= int(v.split("-")[1])
+STEPS = (lambda v: ordered(v, 1), "MIN-MAX, 1 <= MIN <= MAX")
+TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
 
 
 @dataclasses.dataclass
@@ -92,7 +94,9 @@ class Config:
     sft_lr: float = arg(1e-5, "SFT learning rate", at_least(0))
     sft_batch: int = arg(64, "SFT batch size", at_least(1))
     arith_steps: str = arg("2-5", "arith only: steps per chain, MIN-MAX (the difficulty)", STEPS)
-    arith_slip: float = arg(0.0, "arith only: chance that a step of an SFT demo is off by one", between(0, 1))
+    arith_slip: float = arg(0.0, "arith only: chance that a step (with traps: a trap) of an SFT demo is wrong",
+                            between(0, 1))
+    arith_traps: str = arg("", "arith only: the modulo-10 task, MIN-MAX carry/borrow steps per chain", TRAPS)
     max_batch_tokens: int = arg(524288, "generation batch budget: rows x (prefix + new tokens)", at_least(1))
     forward_batch_tokens: int = arg(32768, "token budget of one log-prob / value forward pass", at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
@@ -109,7 +113,7 @@ class Config:
 # demonstrations with careless off-by-one slips, then VinePPO removes the slips. Sized for a 2-core CPU.
 DEMO = dict(iterations=20, prompts_per_iter=32, samples_per_prompt=8, mc_rollouts=4, minibatch=64,
             micro_batch=64, lr=1e-4, warmup=0.0, kl_coef=1e-3, max_new_tokens=64, eval_every=5,
-            eval_problems=400, eval_samples=2, eval_temperature=0.6, save_every=10, sft_steps=1500,
+            eval_problems=400, eval_samples=2, save_every=10, sft_steps=1500,
             sft_batch=16, sft_lr=1e-3, arith_slip=0.25, max_batch_tokens=32768, critic_lr=1e-4)
 
 
@@ -142,6 +146,8 @@ def parse_args(argv=None) -> Config:
             p.error(f"--{f.name.replace('_', '-')} {v!r}: expected {expected if holds else kind}")
     if cfg.resume and cfg.overwrite:
         p.error("--resume and --overwrite: pick one (--resume continues the run, --overwrite replaces it)")
+    if not cfg.arith_traps and int(cfg.arith_steps.split("-")[1]) > 8:  # totals 0-9 without wrapping
+        p.error(f"--arith-steps {cfg.arith_steps}: at most 8 steps without --arith-traps")
     if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
         p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
@@ -162,7 +168,7 @@ def main(cfg: Config):
     evaluate = lambda it: rollout.evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, it)
     critic_model = critic and critic.model
     if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
-        log(cfg.out, {"iteration": 0, "eval_accuracy": evaluate(0)})
+        log(cfg.out, {"iteration": 0, **evaluate(0)})
         if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
             checkpoint.save_training_state(cfg, 0, tok, policy, critic)
 
@@ -201,7 +207,7 @@ def main(cfg: Config):
         due = lambda every: it == cfg.iterations or (every > 0 and it % every == 0)
         row = {"iteration": it, **iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, clock)}
         if due(cfg.eval_every):
-            row["eval_accuracy"] = evaluate(it)
+            row.update(evaluate(it))
         log(cfg.out, row)
         if due(cfg.save_every):
             checkpoint.save_training_state(cfg, it, tok, policy, critic)
