@@ -52,7 +52,7 @@ def grade(tok):
 def test_trace_numbers_match_hand_computation(tiny, monkeypatch):
     _, tok, policy = tiny
     gen = scripted(monkeypatch, tok)
-    problems = [{"prompt": PROMPT, "answer": GOLD}]
+    problems = [{"question": PROMPT.strip(), "prompt": PROMPT, "answer": GOLD}]
     index, group, wrong = diagnose.first_wrong_answer(policy, problems, 5, grade(tok), gen, 64)
     assert (index, wrong) == (0, 1) and [ep.reward for ep in group] == [1, 0, 1, 0, 1]
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def test_trace_numbers_match_hand_computation(tiny, monkeypatch):
 def test_first_wrong_answer_skips_right_groups_and_says_none(tiny, monkeypatch):
     _, tok, policy = tiny
     gen = scripted(monkeypatch, tok, group=[RIGHT, RIGHT])
-    problems = [{"prompt": PROMPT, "answer": GOLD}, {"prompt": PROMPT, "answer": "#### 7"}]
+    problems = [{"question": PROMPT.strip(), "prompt": PROMPT, "answer": a} for a in (GOLD, "#### 7")]
     index, group, wrong = diagnose.first_wrong_answer(policy, problems, 2, grade(tok), gen, 64)
     assert (index, wrong) == (1, 0)  # all right on the first problem; wrong against the second's gold
     assert diagnose.first_wrong_answer(policy, problems[:1], 2, grade(tok), gen, 64) is None
