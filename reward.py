@@ -308,3 +308,9 @@ def math_reward(completion: str, gold_solution: str, problem: str = "") -> float
     reference's eval_math; `problem` matters only when it asks for a list 'separated by commas')."""
     return float(math_grader.answers_match(math_answers(completion, problem),
                                            list(gold_math_answers(gold_solution, problem))))
+
+
+def grade(response: str, gold: str, question: str = "", math: bool = False) -> float:
+    """R, the task's reward of a response's text: 1.0 for a right final answer by MATH's rules (math) or by
+    GSM8K's (arith too), else 0.0. `question` matters only to MATH's lists ('separated by commas')."""
+    return math_reward(response, gold, question) if math else gsm8k_reward(response, gold)
