@@ -70,6 +70,7 @@ def start_run(cfg, device, autocast):
     train_set = reward.load_problems(cfg.data, "train", slip=cfg.arith_slip, **task)
     eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", **task)
     eval_set = eval_set[: cfg.eval_problems or None]
+    reward.is_math(train_set + eval_set)  # one format for both: MATH's grader and steps, or GSM8K's
     resume_from, state = checkpoint.find_resume(cfg)
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
     if cfg.gradient_checkpointing:
@@ -79,6 +80,8 @@ def start_run(cfg, device, autocast):
     train_set, eval_set = (drop_long_prompts(problems, cfg.max_prompt_tokens, split)
                            for problems, split in ((train_set, "training"), (eval_set, "held-out")))
     fit_prompts_per_iter(cfg, len(train_set))
+    if state is None or state["iteration"] < cfg.iterations:  # a run that trains records what it runs with
+        checkpoint.record_settings(cfg)
     if cfg.sft_steps and not resume_from:  # the KL reference and the critic start from the SFT policy
         sft_warm_start(policy, tok, train_set, cfg, device, autocast)
         ref.load_state_dict(parallel.full_state_dict(policy))

@@ -288,7 +288,8 @@ def test_math_path_with_the_tiny_model(tmp_path, algo):
     assert [row["iteration"] for row in rows] == [0, 1] and rows[-1]["episodes"] == 8
     assert rows[-1]["mc_states"] > 0 if algo == "vineppo" else "policy_loss" in rows[-1]
     state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=True)
-    assert state["config"]["max_value_states"] == 0 and state["iteration"] == 1
+    settings = json.loads((tmp_path / "config.json").read_text())
+    assert settings["max_value_states"] == 0 and state["iteration"] == 1
     samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
     problems = {row["solution"]: row["problem"] for row in FIXTURE}
     assert all(s["reward"] == math_reward(s["response"], s["gold"], problems[s["gold"]]) for s in samples)

@@ -632,6 +632,10 @@ def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
                 "approx_kl", "tokens_generated", "seconds", *train.PHASES):
         assert key in rows[-1]
     assert rows[1]["mc_states"] > 0 and (tmp_path / "samples.jsonl").exists()
+    # the settings that differ from the defaults, the demo's included, printed first; all in config.json
+    printed = r.stdout.split("settings (")[1].splitlines()[0]
+    assert "--sft-steps 3 " in printed and "--lr 0.0001 " in printed and "--algo" not in printed
+    assert json.loads((tmp_path / "config.json").read_text())["lr"] == train.DEMO["lr"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
     tok = AutoTokenizer.from_pretrained(tmp_path / "checkpoint")
     assert model.config.vocab_size == len(tok) and not (tmp_path / "checkpoint.tmp").exists()
