@@ -33,8 +33,8 @@ def record_settings(cfg):
     settings, defaults = dataclasses.asdict(cfg), {f.name: f.default for f in dataclasses.fields(cfg)}
     flag = lambda k, v: f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
     changed = [flag(k, v) for k, v in settings.items() if v != defaults[k] and v is not False]
-    tqdm.write(f"settings ({os.path.join(cfg.out, 'config.json')} has all): {' '.join(changed) or 'the defaults'}")
     path = os.path.join(cfg.out, "config.json")
+    tqdm.write(f"settings ({path} has all): {' '.join(changed) or 'the defaults'}")
     with open(path + ".tmp", "w") as f:
         json.dump(settings, f, indent=1)
     os.replace(path + ".tmp", path)

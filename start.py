@@ -201,7 +201,7 @@ def go_offline_without_hub(cfg):
     first, and if it cannot be reached they run offline (cached files only, a missing one fails at once)."""
     from huggingface_hub import constants, get_session
     model = checkpoint.ALIASES.get(cfg.model, cfg.model)
-    needs_hub = (model != "tiny" and not os.path.isdir(model)) or "gsm8k" in (cfg.data, cfg.eval_data)
+    needs_hub = (model != "tiny" and not os.path.isdir(model)) or {"gsm8k", "math"} & {cfg.data, cfg.eval_data}
     if not needs_hub or constants.HF_HUB_OFFLINE:
         return
     try:
