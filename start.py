@@ -1,6 +1,10 @@
 """Everything before the first iteration: process, precision, output directory, data, models (SFT warm
 start, frozen reference, critic) and optimizers; on --resume, all of it as the last checkpoint left it.
---precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup), on CPUs too."""
+--precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup), on CPUs too.
+
+Needs: checkpoint.py, parallel.py, ppo.py (Learner), reward.py (data), rollout.py (padding),
+value.py (Critic). All engineering around the algorithm (the SFT warm start is the reference's §3.3): a first
+reading may skip this file."""
 import copy
 import fcntl
 import math

@@ -5,9 +5,14 @@
     python train.py --model rho-math-1.1b --data math      # the paper's MATH row (its own SFT checkpoint)
     torchrun --nproc_per_node 8 train.py --model rho-math-1.1b --data gsm8k   # 8 GPUs, DDP
 
-One iteration (VinePPO, Algorithm 1): draw prompts -> sample and grade responses -> old log-probs,
-and from the same forward pass the MC values of every step boundary -> step advantages ->
-reference log-probs -> epochs of clipped PPO on minibatches -> log, evaluate, checkpoint.
+One iteration (VinePPO, Algorithm 1), a call per phase in main's loop: draw prompts -> sample and grade
+responses (rollout.py, reward.py) -> step boundaries (vine.py) -> old log-probs and the KV cache of their
+forward pass (rollout.py) -> the MC values, forked from that cache (vine.py), or a critic's values
+(value.py) -> advantages -> reference log-probs -> epochs of clipped PPO (ppo.py) -> log, evaluate, save.
+
+Needs: rollout, reward, vine, ppo, value (the algorithm); start (everything before the first iteration),
+checkpoint, parallel (torchrun). Algorithm: Config and its presets, main, evaluate; the engineering
+sections (a setting's rule, the command line, metrics, exits) may be skipped on a first reading.
 """
 import argparse
 import collections
@@ -33,6 +38,8 @@ import vine
 from reward import DataError
 
 
+# ---- engineering: how a setting is declared and checked (skip on a first reading) ----------------------
+
 def arg(default, help, valid=None):
     """A setting: its default, its help, and its rule (a test and the words for what it expects)."""
     return dataclasses.field(default=default, metadata={"help": help, "valid": valid})
@@ -48,6 +55,8 @@ ordered = lambda v, low: re.fullmatch(r"\d+-\d+", v) and low <= int(v.split("-")
 STEPS = (lambda v: ordered(v, 1), "MIN-MAX, 1 <= MIN <= MAX")
 TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
 
+
+# ---- the settings: python train.py --help lists them -----------------------------------------------------
 
 @dataclasses.dataclass
 class Config:
@@ -122,38 +131,6 @@ DEMO = dict(iterations=20, prompts_per_iter=32, samples_per_prompt=8, mc_rollout
 # The reference's MATH run where it differs from GSM8K's, for --data math or a .jsonl of MATH problems.
 MATH = dict(iterations=1000, max_value_states=0)
 PRESETS = ((DEMO, "in the demo (--model tiny)"), (MATH, "with MATH data"))
-
-
-def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)  # one line, no usage
-    for f in dataclasses.fields(Config):
-        kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
-        by_preset = [f"{preset[f.name]} {when}" for preset, when in PRESETS if f.name in preset]
-        default = ", ".join(by_preset + [f"else {f.default}"]) if by_preset else f.default
-        shown = f" (default: {default})" if default != "" else ""  # "" defaults are explained in the help
-        p.add_argument("--" + f.name.replace("_", "-"), default=None, help=f.metadata["help"] + shown, **kind)
-    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
-    math_data = reward.is_math_data(given.get("data", Config.data))
-    tiny = given.get("model", Config.model) == "tiny"
-    cfg = Config(**{**(MATH if math_data else {}), **(DEMO if tiny else {}), **given})
-    if math_data:  # the reference's SFT checkpoint for MATH
-        cfg.model = checkpoint.MATH_ALIASES.get(cfg.model, cfg.model)
-    for f in dataclasses.fields(Config):  # every setting against its rule, once, before any work
-        v, (test, expected) = getattr(cfg, f.name), f.metadata["valid"] or (lambda v: True, "")
-        # what the tensors that take it can hold: a float32 (finite) or an int64
-        holds = abs(v) <= FLOAT32_MAX if isinstance(v, float) else not isinstance(v, int) or abs(v) < 2**63
-        kind = "a finite float32" if isinstance(v, float) else "an int64"
-        if not holds or not test(v):
-            p.error(f"--{f.name.replace('_', '-')} {v!r}: expected {expected if holds else kind}")
-    if cfg.resume and cfg.overwrite:
-        p.error("--resume and --overwrite: pick one (--resume continues the run, --overwrite replaces it)")
-    if not cfg.arith_traps and int(cfg.arith_steps.split("-")[1]) > 8:  # totals 0-9 without wrapping
-        p.error(f"--arith-steps {cfg.arith_steps}: at most 8 steps without --arith-traps")
-    if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
-        p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
-    cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
-    return cfg
 
 
 def main(cfg: Config):
@@ -239,6 +216,40 @@ def evaluate(policy, problems: list[dict], cfg: Config, sampling, autocast, iter
     sampled, greedy_correct, count = parallel.all_reduce_sum(totals.to(next(policy.parameters()).device))
     return {"eval_accuracy": (sampled / (count * cfg.eval_samples)).item(),
             "eval_greedy_accuracy": (greedy_correct / count).item()}
+
+
+# ---- engineering: the command line, metrics, logging, exits (skip on a first reading) ------------------
+
+def parse_args(argv=None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)  # one line, no usage
+    for f in dataclasses.fields(Config):
+        kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
+        by_preset = [f"{preset[f.name]} {when}" for preset, when in PRESETS if f.name in preset]
+        default = ", ".join(by_preset + [f"else {f.default}"]) if by_preset else f.default
+        shown = f" (default: {default})" if default != "" else ""  # "" defaults are explained in the help
+        p.add_argument("--" + f.name.replace("_", "-"), default=None, help=f.metadata["help"] + shown, **kind)
+    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    math_data = reward.is_math_data(given.get("data", Config.data))
+    tiny = given.get("model", Config.model) == "tiny"
+    cfg = Config(**{**(MATH if math_data else {}), **(DEMO if tiny else {}), **given})
+    if math_data:  # the reference's SFT checkpoint for MATH
+        cfg.model = checkpoint.MATH_ALIASES.get(cfg.model, cfg.model)
+    for f in dataclasses.fields(Config):  # every setting against its rule, once, before any work
+        v, (test, expected) = getattr(cfg, f.name), f.metadata["valid"] or (lambda v: True, "")
+        # what the tensors that take it can hold: a float32 (finite) or an int64
+        holds = abs(v) <= FLOAT32_MAX if isinstance(v, float) else not isinstance(v, int) or abs(v) < 2**63
+        kind = "a finite float32" if isinstance(v, float) else "an int64"
+        if not holds or not test(v):
+            p.error(f"--{f.name.replace('_', '-')} {v!r}: expected {expected if holds else kind}")
+    if cfg.resume and cfg.overwrite:
+        p.error("--resume and --overwrite: pick one (--resume continues the run, --overwrite replaces it)")
+    if not cfg.arith_traps and int(cfg.arith_steps.split("-")[1]) > 8:  # totals 0-9 without wrapping
+        p.error(f"--arith-steps {cfg.arith_steps}: at most 8 steps without --arith-traps")
+    if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
+        p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
+    cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
+    return cfg
 
 
 PHASES = ("time_rollout", "time_logprobs", "time_mc_values", "time_critic_values", "time_advantages",
