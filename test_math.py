@@ -175,7 +175,7 @@ def check_steps(text: str) -> list[int]:
     or after prose punctuation (a piece cut at a newline inside a span no longer sees the span whole)."""
     bounds = math_grader.math_step_offsets(text)
     assert bounds[0] == 0 and bounds[-1] == len(text) and all(a < b for a, b in zip(bounds, bounds[1:]))
-    spans = [m.span() for pattern in vine.MATH_SPANS for m in re.finditer(pattern, text, flags=re.S)]
+    spans = [m.span() for pattern in math_grader.MATH_SPANS for m in re.finditer(pattern, text, flags=re.S)]
     math_cut, prose_cut = r"(,\$|,\\\)|,\\\]|=|\\equiv|\+|\\cancelto)$", r"(,|\sand|:|\sto)$"
     for b in bounds[1:-1]:
         for lo, hi in (span for span in spans if span[0] < b < span[1]):

@@ -19,6 +19,7 @@ BEFORE = '''import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 torch.manual_seed(0)
+torch.set_num_threads(1)  # the same numbers on every machine, and no waits on a busy one
 tok = AutoTokenizer.from_pretrained("model")
 model = AutoModelForCausalLM.from_pretrained("model").eval()
 ids = lambda text: tok(text, add_special_tokens=False).input_ids
