@@ -26,6 +26,7 @@ trajectories are random tokens. Methods are interleaved, each repeat in a rotate
 the median of the repeats is reported. The last printed line is one JSON object.
 """
 import argparse
+import dataclasses
 import contextlib
 import io
 import json
@@ -153,7 +154,8 @@ def speed(a) -> dict:
     n_tokens = len(prefixes) * a.k * a.new_tokens  # continuation tokens produced by every method
     # Sampling never stops early: the EOS id is `vocab`, one past the last token id the model can
     # sample, so no sampled token ever equals it and every continuation runs its full budget.
-    gen = dict(temperature=1.0, top_p=1.0, eos_id=a.vocab, pad_id=PAD)
+    sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=a.new_tokens, eos_id=a.vocab,
+                                pad_id=PAD)
 
     def forward():  # the log-prob pass over whole trajectories that training does anyway
         ids, mask = rollout.pad_right(trajs, PAD, a.device)
@@ -161,15 +163,16 @@ def speed(a) -> dict:
 
     def naive():
         for prefix in prefixes:
-            rollout.sample(model, [prefix], a.k, [a.new_tokens], **gen)
+            rollout.sample(model, [prefix], a.k, [a.new_tokens], sampling)
 
     def fork_each(cache):
         for prefix, row in zip(prefixes, rows):
-            rollout.sample(model, [prefix], a.k, [a.new_tokens], cache=cache, rows=[row], **gen)
+            rollout.sample(model, [prefix], a.k, [a.new_tokens], sampling, cache=cache, rows=[row])
 
     def fork_batch(cache, method="copy"):
-        out, done = rollout.sample(model, prefixes, a.k, budgets, cache=cache, rows=rows,
-                                   max_batch_tokens=a.max_batch_tokens, fork_method=method, **gen)
+        batched = dataclasses.replace(sampling, max_batch_tokens=a.max_batch_tokens)
+        out, done = rollout.sample(model, prefixes, a.k, budgets, batched, cache=cache, rows=rows,
+                                   fork_method=method)
         assert sum(len(c) for cs in out for c in cs) == n_tokens and not any(map(any, done))
 
     mean_len = round(sum(map(len, prefixes)) / len(prefixes))
@@ -179,8 +182,9 @@ def speed(a) -> dict:
         floor_cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)[1]
 
     def decode_only():  # every row forks row 0 of floor_cache; one batch, whatever its size
-        rollout.sample(model, [floor_prefix] * len(prefixes), a.k, budgets, cache=floor_cache,
-                       rows=[0] * len(prefixes), max_batch_tokens=1 << 62, **gen)
+        rollout.sample(model, [floor_prefix] * len(prefixes), a.k, budgets,
+                       dataclasses.replace(sampling, max_batch_tokens=1 << 62), cache=floor_cache,
+                       rows=[0] * len(prefixes))
 
     methods = {"naive": (naive, lambda: ()), "fork-each": (fork_each, forward), "fork-batch": (fork_batch, forward),
                "fork-gather": (lambda cache: fork_batch(cache, "gather"), forward),
@@ -190,7 +194,8 @@ def speed(a) -> dict:
     times = {name: [] for name in names}
     start = time.perf_counter()
     with torch.no_grad():
-        rollout.sample(model, [floor_prefix], a.k, [a.new_tokens], cache=floor_cache, rows=[0], **gen)  # warm-up
+        # warm-up
+        rollout.sample(model, [floor_prefix], a.k, [a.new_tokens], sampling, cache=floor_cache, rows=[0])
         for r in range(a.repeats):
             for name in names[r % len(names):] + names[: r % len(names)]:  # rotate so no method is always first
                 torch.manual_seed(a.seed + r)

@@ -1,4 +1,6 @@
-"""Models to and from disk, atomic checkpoints, and what --resume needs to continue a run exactly."""
+"""Models to and from disk, atomic checkpoints, the run's settings (OUT/config.json), and what --resume needs
+to continue a run exactly. Needs: parallel.py, value.py (the critic), reward.py (DataError). All engineering:
+a first reading may skip this file."""
 import dataclasses
 import json
 import os
@@ -20,7 +22,37 @@ RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "ari
 RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
 # what else a run writes in --out (or a kill leaves there): --overwrite removes these too
 LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "metrics.jsonl.tmp",
-             "samples.jsonl.tmp")
+             "samples.jsonl.tmp", "config.json", "config.json.tmp")
+
+
+def record_settings(cfg):
+    """Every setting to OUT/config.json (atomically; --resume checks against it), and those that differ
+    from the defaults (a preset's included) printed as flags, so that a run says what it runs with."""
+    if parallel.rank() != 0:
+        return
+    settings, defaults = dataclasses.asdict(cfg), {f.name: f.default for f in dataclasses.fields(cfg)}
+    flag = lambda k, v: f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+    changed = [flag(k, v) for k, v in settings.items() if v != defaults[k] and v is not False]
+    path = os.path.join(cfg.out, "config.json")
+    tqdm.write(f"settings ({path} has all): {' '.join(changed) or 'the defaults'}")
+    with open(path + ".tmp", "w") as f:
+        json.dump(settings, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def recorded_settings(out: str) -> dict:
+    """The settings OUT/config.json holds, or one line that says why there are none."""
+    path = os.path.join(out, "config.json")
+    try:
+        with open(path) as f:
+            settings = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"--resume: {path} cannot be read ({first_line(e)}); --overwrite starts the run "
+                        "again") from None
+    if not isinstance(settings, dict) or not isinstance(settings.get("iterations"), int):
+        raise DataError(f"--resume: {path} is not a run's settings (no --iterations); --overwrite starts the "
+                        "run again")
+    return settings
 
 
 def build_tiny_model(path: str, seed: int):
@@ -136,29 +168,27 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
     except Exception as e:  # a damaged file: refuse, never start over on top of the results
         raise DataError(f"--resume: {path}/trainer_state.pt cannot be read ({first_line(e)})") from None
     check_shape(state, f"{path}/trainer_state.pt")
+    settings = recorded_settings(cfg.out)  # the authority on what the run was started with
     for key in RESUME_MUST_MATCH:
-        if state["config"].get(key) != getattr(cfg, key):
-            raise DataError(f"--resume: {path} was written with --{key.replace('_', '-')} "
-                            f"{state['config'].get(key)!r}, not {getattr(cfg, key)!r}")
+        if settings.get(key) != getattr(cfg, key):
+            raise DataError(f"--resume: {cfg.out} was written with --{key.replace('_', '-')} "
+                            f"{settings.get(key)!r}, not {getattr(cfg, key)!r}")
     if state["iteration"] >= cfg.iterations and parallel.rank() == 0:
         tqdm.write(f"--resume: the checkpoint is at iteration {state['iteration']}, --iterations "
                    f"{cfg.iterations}: nothing to train")
-    elif state["config"]["iterations"] < cfg.iterations and parallel.rank() == 0:
-        tqdm.write(f"--resume: --iterations {cfg.iterations}, not {state['config']['iterations']}: "
+    elif settings["iterations"] < cfg.iterations and parallel.rank() == 0:
+        tqdm.write(f"--resume: --iterations {cfg.iterations}, not {settings['iterations']}: "
                    f"the LR schedule is stretched to end at iteration {cfg.iterations}")
     return path, state
 
 
 def check_shape(state, path: str):
     """A trainer state as save_training_state writes it, or one line that says what is missing."""
-    shape = {"iteration": int, "config": dict, "optimizers": list, "rng": list}
+    shape = {"iteration": int, "optimizers": list, "rng": list}
     for key, kind in shape.items():
         if not isinstance(state, dict) or not isinstance(state.get(key), kind):
             raise DataError(f"--resume: {path} is not a trainer state (no {kind.__name__} {key!r}); "
                             "--overwrite starts the run again")
-    if not isinstance(state["config"].get("iterations"), int):
-        raise DataError(f"--resume: {path} is not a trainer state (no --iterations in its config); "
-                        "--overwrite starts the run again")
 
 
 def save_training_state(cfg, iteration: int, tok, policy, critic):
@@ -172,8 +202,7 @@ def save_training_state(cfg, iteration: int, tok, policy, critic):
     cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
     rngs = parallel.gather({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda})
     if parallel.rank() == 0:
-        state = {"iteration": iteration, "config": dataclasses.asdict(cfg), "optimizers": optimizers,
-                 "rng": rngs}
+        state = {"iteration": iteration, "optimizers": optimizers, "rng": rngs}  # settings: OUT/config.json
         save_checkpoint(cfg.out, policy.model, tok, state, critic and critic.model,
                         policy_weights=policy_weights, critic_weights=critic_weights)
 

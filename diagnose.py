@@ -23,7 +23,6 @@ mean of the GAE (lambda = 1) advantages R - V(s_t) over the step's tokens, all b
 update's whitening. Rows go to OUT/trace.json; OUT/trace.png when matplotlib exists.
 """
 import argparse
-import contextlib
 import copy
 import itertools
 import json
@@ -80,14 +79,15 @@ def delta_correlation(rows, name) -> float:
     return correlation(pred, gt)
 
 
-def mc_rewards(policy, prompt, prefix, gold, n, gen, max_new_tokens) -> list[float]:
+def mc_rewards(policy, prompt, prefix, gold, n, sampling) -> list[float]:
     """Rewards of n fresh continuations of prompt + prefix (the full solution is graded)."""
-    tok = gen["tokenizer"]
-    if prefix and prefix[-1] == gen["eos_id"]:  # a finished response: its value is its reward
+    tok = sampling.tokenizer
+    if prefix and prefix[-1] == sampling.eos_id:  # a finished response: its value is its reward
         return [gsm8k_reward(tok.decode(prefix, skip_special_tokens=True), gold)] * n
-    if len(prefix) >= max_new_tokens:  # no budget left: unfinished
+    if len(prefix) >= sampling.max_new_tokens:  # no budget left: unfinished
         return [0.0] * n
-    conts, done = rollout.sample(policy, [prompt + prefix], n, [max_new_tokens - len(prefix)], **gen)
+    budget = sampling.max_new_tokens - len(prefix)
+    conts, done = rollout.sample(policy, [prompt + prefix], n, [budget], sampling)
     texts = [tok.decode(prefix + c, skip_special_tokens=True) for c in conts[0]]
     return [gsm8k_reward(t, gold) if f else 0.0 for t, f in zip(texts, done[0])]
 
@@ -130,36 +130,35 @@ def main(argv=None):
     torch.manual_seed(a.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok, policy = load_model(a.checkpoint, device)
-    gen = dict(temperature=a.temperature, top_p=a.top_p, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok),
-               tokenizer=tok, stop=STOP)
+    sampling = rollout.Sampling(temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens,
+                                eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), stop=STOP, tokenizer=tok)
     problems = load_problems(a.data, "test", steps=a.arith_steps)
     out = a.out or os.path.dirname(os.path.abspath(a.checkpoint))
     os.makedirs(out, exist_ok=True)
     if a.trace:
-        trace(a, tok, policy, gen, problems, out)
+        trace(a, tok, policy, sampling, problems, out)
     else:
-        value_accuracy(a, tok, policy, gen, random.Random(a.seed).sample(problems, a.trajectories), out)
+        value_accuracy(a, tok, policy, sampling, random.Random(a.seed).sample(problems, a.trajectories), out)
 
 
-def value_accuracy(a, tok, policy, gen, problems, out):
+def value_accuracy(a, tok, policy, sampling, problems, out):
     """Every state of one sampled trajectory per problem, against the ground truth; printed and saved."""
     critic = load_critic(a.checkpoint, next(policy.parameters()).device)
     ks = [int(k) for k in a.k.split(",")]
-    mc = lambda prompt, prefix, gold, n: sum(mc_rewards(policy, prompt, prefix, gold, n, gen,
-                                                        a.max_new_tokens)) / n
+    mc = lambda prompt, prefix, gold, n: sum(mc_rewards(policy, prompt, prefix, gold, n, sampling)) / n
     estimators = [f"mc{k}" for k in ks] + ([f"critic_{critic.head_type}"] if critic else [])
 
     def estimate(prompt, resp_prefix, gold) -> dict:
         row = {"gt": mc(prompt, resp_prefix, gold, a.gt_rollouts)}
         row.update({f"mc{k}": mc(prompt, resp_prefix, gold, k) for k in ks})
         if critic:
-            row[f"critic_{critic.head_type}"] = critic_value(critic, prompt, resp_prefix, gen["pad_id"])
+            row[f"critic_{critic.head_type}"] = critic_value(critic, prompt, resp_prefix, sampling.pad_id)
         return row
 
     rows, ranking = [], {name: [] for name in estimators}
     for t, prob in enumerate(problems):
         prompt = encode_prompt(tok, prob["prompt"])
-        resp = rollout.sample(policy, [prompt], 1, [a.max_new_tokens], **gen)[0][0][0]
+        resp = rollout.sample(policy, [prompt], 1, [a.max_new_tokens], sampling)[0][0][0]
         starts = vine.response_step_starts(tok, resp)
         for i, b in enumerate(starts):
             rows.append({"trajectory": t, "step": i, "n_steps": len(starts),
@@ -168,7 +167,7 @@ def value_accuracy(a, tok, policy, gen, problems, out):
                 continue
             # alternatives: sample next steps from this state, keep the distinct ones (>= 2)
             conts = rollout.sample(policy, [prompt + resp[:b]], a.alternatives, [a.max_new_tokens - b],
-                                   **gen)[0][0]
+                                   sampling)[0][0]
             actions = set()
             for c in conts:
                 cut = vine.response_step_starts(tok, resp[:b] + c)
@@ -209,10 +208,9 @@ def value_accuracy(a, tok, policy, gen, problems, out):
 
 # ---- --trace: the credit each method gives the steps of one wrong answer -----------------------
 
-def trace(a, tok, policy, gen, problems, out):
+def trace(a, tok, policy, sampling, problems, out):
     """Find a wrong answer, compute its steps' values and advantages; print, save, plot."""
-    grade = lambda ids, ep: gsm8k_reward(tok.decode(ids, skip_special_tokens=True), ep.gold)
-    found = first_wrong_answer(policy, problems[: a.tries], a.group, grade, gen, a.max_new_tokens)
+    found = first_wrong_answer(policy, problems[: a.tries], a.group, sampling)
     if found is None:
         print(f"no wrong answer: all {a.group} samples of each of the first {a.tries} held-out problems "
               "are right")
@@ -224,7 +222,7 @@ def trace(a, tok, policy, gen, problems, out):
     result = {"problem": index, "question": problems[index]["question"], "gold": ep.gold, "sample": wrong,
               "response": text(ep.response_ids), "reward": ep.reward,
               "group_rewards": [e.reward for e in group], "k": a.trace_k, "critic": critic_name,
-              "steps": trace_steps(policy, critic, group, wrong, a.trace_k, gen, a.max_new_tokens)}
+              "steps": trace_steps(policy, critic, group, wrong, a.trace_k, sampling)}
     with open(os.path.join(out, "trace.json"), "w") as f:
         json.dump(result, f, indent=1)
     print_trace(result)
@@ -235,11 +233,11 @@ def trace(a, tok, policy, gen, problems, out):
         print(f"rows: {os.path.join(out, 'trace.json')} (pip install matplotlib for the figure)")
 
 
-def first_wrong_answer(policy, problems, group, grade, gen, max_new_tokens):
+def first_wrong_answer(policy, problems, group, sampling):
     """(index, the problem's group of samples, which sample) of the first problem with a wrong one, or None."""
     for index, prob in enumerate(problems):
-        prob = {**prob, "prompt_ids": encode_prompt(gen["tokenizer"], prob["prompt"])}
-        episodes = rollout.sample_episodes(policy, [prob], group, grade, max_new_tokens=max_new_tokens, **gen)
+        prob = {**prob, "prompt_ids": encode_prompt(sampling.tokenizer, prob["prompt"])}
+        episodes = rollout.sample_episodes(policy, [prob], group, sampling)
         wrong = [i for i, ep in enumerate(episodes) if ep.reward == 0]
         if wrong:
             return index, episodes, wrong[0]
@@ -261,25 +259,24 @@ def trace_critic(a, policy):
         "(--critic-checkpoint shows a trained one)")
 
 
-def trace_steps(policy, critic, group, wrong, k, gen, max_new_tokens) -> list[dict]:
+def trace_steps(policy, critic, group, wrong, k, sampling) -> list[dict]:
     """A row per step of group[wrong]: its text, V_hat(s_i) +- s.e. and the advantages, by training's code."""
-    tok, ep = gen["tokenizer"], group[wrong]
-    ep.step_starts = vine.response_step_starts(tok, ep.response_ids)
-    rewards = [mc_rewards(policy, ep.prompt_ids, ep.response_ids[:b], ep.gold, k, gen, max_new_tokens)
+    tok, ep = sampling.tokenizer, group[wrong]
+    vine.split_steps([ep], tok)
+    rewards = [mc_rewards(policy, ep.prompt_ids, ep.response_ids[:b], ep.gold, k, sampling)
                for b in ep.step_starts]  # K rewards per state s_i
-    ep.values = [sum(r) / k for r in rewards]
-    vine_adv = vine.step_advantages(ep.values, ep.reward)
+    ep.step_values = [sum(r) / k for r in rewards]
+    vine_adv = vine.step_advantages(ep.step_values, ep.reward)
     ppo.assign_advantages("grpo", group, 1.0, 1.0, 1.0)  # normalised within the problem's group
     grpo_adv = ep.advantages[0].item()
-    vine.old_logprobs_and_values(policy, critic, [ep], None, algo="ppo", temperature=gen["temperature"],
-                                 mc_rollouts=k, max_value_states=len(ep.step_starts), pad_id=gen["pad_id"],
-                                 forward_batch_tokens=2 ** 20, autocast=contextlib.nullcontext())
-    # ep.old_values: V(s_t) before each response token; GAE with gamma = lambda = 1 gives A_t = R - V(s_t)
+    value.critic_values(critic, [ep], sampling.pad_id, forward_batch_tokens=2 ** 20)
+    # ep.critic_values: V(s_t) before each response token; GAE with gamma = lambda = 1 gives A_t = R - V(s_t)
     ppo.assign_advantages("ppo", [ep], 1.0, 1.0, 1.0)
     pieces, ends = vine.decoded_pieces(tok, ep.response_ids), ep.step_starts[1:] + [len(ep.response_ids)]
-    return [{"step": i, "text": "".join(pieces[lo:hi]), "tokens": hi - lo, "rewards": r, "value": ep.values[i],
+    return [{"step": i, "text": "".join(pieces[lo:hi]), "tokens": hi - lo, "rewards": r,
+             "value": ep.step_values[i],
              "se": statistics.pstdev(r) / math.sqrt(k), "vineppo": vine_adv[i], "grpo": grpo_adv,
-             "critic_value": ep.old_values[lo].item(), "ppo": ep.advantages[lo:hi].mean().item()}
+             "critic_value": ep.critic_values[lo].item(), "ppo": ep.advantages[lo:hi].mean().item()}
             for i, (lo, hi, r) in enumerate(zip(ep.step_starts, ends, rewards))]
 
 

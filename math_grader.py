@@ -1,11 +1,15 @@
-"""MATH answers compared up to mathematical equivalence: the reference's Minerva-style grader
-(tasks/math_grader_minerva.py, tasks/math_answer_exctraction.py `strip_string`), rewritten, with the
-differences listed in the README. Not needed to read the algorithm: reward.math_reward calls `answers_match`.
+"""MATH's text rules a first reading skips: answers compared up to mathematical equivalence (the reference's
+Minerva-style grader, tasks/math_grader_minerva.py, tasks/math_answer_exctraction.py `strip_string`,
+rewritten, with the differences listed in docs/math.md), and where a MATH solution's reasoning steps begin
+(tasks/math_extract_steps_inplace.py). Not needed to read the algorithm: reward.math_reward calls
+`answers_match`, vine.response_step_starts calls `math_step_offsets`. Outside the core's line budget (keep
+it under ~400 lines); needs no sibling.
 
     normalize(answer)           string clean-up: \\dfrac -> \\frac, units, degrees, \\left, spaces, ...
     math_equal(pred, gold)      strings, then close numbers, tuples and intervals, matrices, 'x=5',
                                 then sympy (time-limited; any parser error is 'not equal')
     answers_match(preds, golds) every prediction matches a gold answer and every gold one a prediction
+    math_step_offsets(text)     [0, start of step 2, ..., len(text)]: sentences and lines, LaTeX kept whole
 """
 import contextlib
 import functools
@@ -13,6 +17,7 @@ import math
 import re
 import signal
 import threading
+from itertools import accumulate
 
 SYMPY_SECONDS = 2.0  # the reference allows 15 s per simplification; a grade sits inside every MC continuation
 MAX_SYMPY_CHARS = 300  # longer is not an answer: not parsed
@@ -258,3 +263,117 @@ def symbolic_equal(pred: str, gold: str) -> bool:
             return close(float(sympy.N(a)), float(sympy.N(b)), pred, gold)
     except (Exception, OutOfTime):
         return False
+
+
+# ---- MATH's steps (reference: tasks/math_extract_steps_inplace.py split_solution_inplace) ----------
+# LaTeX spans, hidden in this order behind placeholders of 60 characters (the reference's length, on which its
+# length rules depend); math ending a sentence ends a step; parts that are only a math opener join the next.
+MATH_SPANS = [r"\[asy\].*?\[/asy\]", r"\$\\begin\{tabular\}.*?\\end\{tabular\}\$",
+              r"\\begin\{tabular\}.*?\\end\{tabular\}", r"\\\(.*?\\\)", r"\\\[.*?\\\]",
+              r"\$\$.*?\$\$", r"(?<!\\)\$.*?[^\\]\$(?!\$)", r"\\begin\{([^}]*)\}.*?\\end\{\1\}"]
+PLACEHOLDER = re.compile(r"<\|\d{56}\|>")
+MATH_ENDS = (".$", ".$$", ".\\)", ".\\]")
+OPENER = re.compile(r"\$|\$\$|\\\(|\\\[|\\begin\{[^}]*\}|\[asy\]")
+SENTENCE_END = r"(?<!\b[A-Za-z]\.)(?<!\s[A-Za-z]\.)(?<!\s[A-Za-z][A-Za-z]\.)(?<=\.)(?=\s+[A-Z])"  # not 'e.g.'
+PROSE_CUTS = [(",", 1), (r"\sand\s", 4), (":", 1), (r"\sto\s", 3)]  # (pattern, cut after n characters)
+MATH_CUTS = [(r",\$", 2), (r",\\\)", 3), (r",\\\]", 3), ("=", 1), (r"\\equiv", 6), (r"\+", 1),
+             (r"\\cancelto", 9)]
+
+
+def hide_math(text: str) -> tuple[str, dict]:
+    """(text with each LaTeX span replaced by a placeholder, {placeholder: span}); equal spans share one."""
+    found = {}
+    hide = lambda m: found.setdefault(m.group(0), f"<|{len(found):056d}|>")
+    for pattern in MATH_SPANS:
+        text = re.sub(pattern, hide, text, flags=re.S)
+    return text, {placeholder: span for span, placeholder in found.items()}
+
+
+def show_math(text: str, spans: dict) -> str:
+    while PLACEHOLDER.search(text):  # a span may hold an earlier one
+        text = PLACEHOLDER.sub(lambda m: spans[m.group(0)], text)
+    return text
+
+
+def merge_short(bounds: list[int], short) -> list[int]:
+    """Remove the boundary after each part short(start, end) (before it, for the last part): it joins one."""
+    i = 0
+    while i < len(bounds) - 1:
+        if short(bounds[i], bounds[i + 1]):
+            bounds.pop(i if i == len(bounds) - 2 else i + 1)
+        else:
+            i += 1
+    return bounds
+
+
+def math_step_offsets(text: str) -> list[int]:
+    """[0, start of step 2, ..., len(text)]: the reference's steps of a MATH solution, in five passes."""
+    hidden, spans = hide_math(text)
+    # 1-2. sentence ends and newlines (a newline opens its part); a lone newline or a short part without
+    #      a full stop joins the next (the last part stays)
+    pieces = [piece if i == 0 else "\n" + piece for sentence in re.split(SENTENCE_END, hidden)
+              for i, piece in enumerate(sentence.split("\n"))]
+    short = lambda a, b: b < len(hidden) and (hidden[a:b] == "\n" or
+                                              b - a < 20 and not hidden[a:b].endswith("."))
+    bounds = merge_short(list(accumulate(map(len, pieces), initial=0)), short)
+    # 3. a cut after math that ends a sentence; then parts under 20 characters, math shown, join a neighbour
+    after_math = lambda a, b: [a + m.end() for m in PLACEHOLDER.finditer(hidden[a:b])
+                               if spans[m.group(0)].endswith(MATH_ENDS)]
+    bounds = [0] + [cut for a, b in zip(bounds, bounds[1:]) for cut in after_math(a, b) + [b]]
+    shown = lambda a, b: show_math(hidden[a:b], spans)
+    bounds = merge_short(bounds, lambda a, b: len(shown(a, b)) < 20 and not shown(a, b).endswith(MATH_ENDS))
+    # 4. math shown again (offsets into `text` from here), a cut at each newline inside a span; parts that
+    #    are only an opener or under 3 characters join a neighbour
+    shown_bounds = [0]
+    for a, b in zip(bounds, bounds[1:]):
+        start, part = shown_bounds[-1], hidden[a:b]
+        while m := PLACEHOLDER.search(part):
+            span = show_math(spans[m.group(0)], spans)
+            shown_bounds += [start + m.start() + n.start() for n in re.finditer("\n", span)]
+            part = part.replace(m.group(0), span)
+        shown_bounds.append(start + len(part))
+    bounds = merge_short(shown_bounds, lambda a, b: b - a < 3 or OPENER.fullmatch(text[a:b].strip()))
+    # 5. a part over 100 characters is cut near its middle, again and again
+    bounds = [0] + [a + cut for a, b in zip(bounds, bounds[1:])
+                    for cut in (break_long(text[a:b])[1:] if b - a > 100 else [b - a])]
+    return bounds if len(bounds) > 1 and bounds[-1] == len(text) else [0, len(text)]
+
+
+def break_long(part: str) -> list[int]:
+    """Cuts of a long part: each piece over 100 characters is cut at the prose candidate nearest its middle
+    (math hidden, both sides >= 40), else at the math one (both sides >= 20). A piece that starts in the range
+    [first math cut, longest piece math-cut] skips prose (the reference's range, in piece-relative offsets)."""
+    cuts, math_from, math_to, i = [0, len(part)], None, 0, 0
+    while i < len(cuts) - 1:
+        a, b = cuts[i], cuts[i + 1]
+        cut = None
+        if b - a > 100:
+            if math_from is None or not math_from <= a < math_to:
+                cut = prose_cut(part[a:b])
+            if cut is None:
+                cut = middle_cut(part[a:b], MATH_CUTS, 20)
+                if cut is not None:
+                    math_from, math_to = min(cut, cut if math_from is None else math_from), max(math_to, b - a)
+        if cut is None:
+            i += 1
+        else:
+            cuts.insert(i + 1, a + cut)
+    return cuts
+
+
+def prose_cut(piece: str) -> int | None:
+    hidden, spans = hide_math(piece)
+    shown_len = lambda s: len(show_math(s, spans))
+    cut = middle_cut(hidden, PROSE_CUTS, 40, shown_len)
+    return None if cut is None else shown_len(hidden[:cut])
+
+
+def middle_cut(text: str, patterns, shortest: int, length=len) -> int | None:
+    """The candidate of the first pattern that has one nearest the middle, if both sides are long enough."""
+    for pattern, n in patterns:
+        cuts = [m.start() + n for m in re.finditer(pattern, text)]
+        if cuts:
+            cut = min(cuts, key=lambda c: abs(2 * c - len(text)))
+            if min(length(text[:cut]), length(text[cut:])) >= shortest:
+                return cut
+    return None

@@ -1,4 +1,5 @@
-"""Several processes under torchrun (DDP, or FSDP2 with --fsdp); in one process, identities and plain calls."""
+"""Several processes under torchrun (DDP, or FSDP2 with --fsdp); in one process, identities and plain calls.
+Needs no sibling. All engineering: a first reading may skip this file (and every line that mentions it)."""
 import os
 from contextlib import contextmanager
 from datetime import timedelta

@@ -1,6 +1,9 @@
 """The PPO update every method shares (clipped surrogate, k3 KL, whitening) and the advantages that differ:
 GAE for a critic, group normalisation for GRPO, VinePPO's MC values (vine.py). Tensors are [B, L-1],
-aligned with the actions: position t holds token t+1's log-prob, advantage, ... (reference pitfall 6)."""
+aligned with the actions: position t holds token t+1's log-prob, advantage, ... (reference pitfall 6).
+
+Needs: vine.py (VinePPO's step advantages), rollout.py (padding, log-probs), parallel.py (the minibatch's
+statistics over processes). Algorithm: everything up to ppo_update; its helpers after the engineering line."""
 import math
 
 import torch
@@ -83,8 +86,7 @@ def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic:
     rewards = torch.tensor([ep.reward for ep in episodes])
     if algo == "vineppo":  # step advantages broadcast to the step's tokens (VinePPO §4)
         for ep in episodes:
-            step_adv = vine.step_advantages(ep.values, ep.reward)
-            ep.advantages = torch.tensor(vine.token_advantages(ep.step_starts, step_adv, len(ep.response_ids)))
+            ep.advantages = vine.episode_advantages(ep)
         return {}
     if algo == "grpo":  # one group-normalised outcome advantage per response, on all its tokens
         adv = group_advantages(rewards, torch.tensor([ep.group for ep in episodes]))
@@ -93,8 +95,8 @@ def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic:
         return {}
     # ppo / tppo: GAE on the critic's values, the reward on the last token
     pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [N, T], right-padded
-    values = pad([ep.old_values for ep in episodes])
-    mask = pad([torch.ones(len(ep.old_values)) for ep in episodes])
+    values = pad([ep.critic_values for ep in episodes])
+    mask = pad([torch.ones(len(ep.critic_values)) for ep in episodes])
     last = mask.sum(1).long() - 1
     token_rewards = torch.zeros_like(values).index_put_((torch.arange(len(episodes)), last), rewards)
     adv, _ = gae(token_rewards, values, mask, gamma, lam)
@@ -168,6 +170,8 @@ def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int
             "nonfinite_skips": nonfinite, "grad_norm": sum(grad_norms) / max(1, len(grad_norms))}
 
 
+# ---- engineering: non-finite guards, batching, the optimizer step (skip on a first reading) ------------
+
 def backward_if_finite(loss, stats: dict, into: list) -> bool:
     """Backward of a finite loss (its stats kept), else True; under DDP it runs: a NaN norm skips the step."""
     finite = bool(torch.isfinite(loss))
@@ -181,7 +185,8 @@ def backward_if_finite(loss, stats: dict, into: list) -> bool:
 def collate(episodes, pad_id, device):
     """Padded ids [B, L], mask, and [B, L-1] action mask "act" and per-token arrays of the episodes."""
     ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id, device)
-    names = {"old": "old_logp", "ref": "ref_logp", "adv": "advantages", "val": "old_values", "ret": "returns"}
+    names = {"old": "old_logp", "ref": "ref_logp", "adv": "advantages", "val": "critic_values",
+             "ret": "returns"}
     out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ["act", *names]}
     for i, ep in enumerate(episodes):
         actions = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))

@@ -1,5 +1,8 @@
 """GSM8K-format problems ("answer" ends in "#### N") from the hub, a .jsonl file or the built-in "arith";
-MATH problems ("problem", "solution" with a \\boxed{} answer), graded up to equivalence by math_grader.py."""
+MATH problems ("problem", "solution" with a \\boxed{} answer), graded up to equivalence by math_grader.py.
+
+Needs: math_grader.py (MATH's answers up to equivalence). Algorithm: grade, the reward R of a response, and the
+graders it calls (gsm8k_reward here, math_reward at the end, with MATH's answer extraction)."""
 import functools
 import hashlib
 import json
@@ -37,6 +40,14 @@ def gsm8k_reward(completion: str, gold_answer: str) -> float:
     # '#### 2,125' (14 of GSM8K's 1319 test problems) could never score: removed on both sides here.
     return float(pred.replace(",", "").lower() == gold.replace(",", "").lower())
 
+
+def grade(response: str, gold: str, question: str = "", math: bool = False) -> float:
+    """R, the task's reward of a response's text: 1.0 for a right final answer by MATH's rules (math) or by
+    GSM8K's (arith too), else 0.0. `question` matters only to MATH's lists ('separated by commas')."""
+    return math_reward(response, gold, question) if math else gsm8k_reward(response, gold)
+
+
+# ---- engineering: SFT targets, the built-in task, data loading with clear errors (skip on a first reading)
 
 def sft_target(answer: str) -> str:
     """The SFT response of the reference: '\\n' + answer without <<calculator>> notes + '\\n'."""
@@ -308,3 +319,4 @@ def math_reward(completion: str, gold_solution: str, problem: str = "") -> float
     reference's eval_math; `problem` matters only when it asks for a list 'separated by commas')."""
     return float(math_grader.answers_match(math_answers(completion, problem),
                                            list(gold_math_answers(gold_solution, problem))))
+

@@ -1,8 +1,9 @@
 """Sampling from forks of a KV cache, per-token log-probs, the stop rule, forward batching. The fork is
 VinePPO's environment reset (§3): the pass over whole trajectories holds every prefix's keys/values, so a
-state is forked by copying them, K times, into buffers with room to decode on."""
-import json
-import os
+state is forked by copying them, K times, into buffers with room to decode on.
+
+Needs: reward.py (grade: a response's reward). Algorithm: Sampling, Episode, sample_episodes, old_logprobs,
+reference_logprobs; the fork and batching below them are engineering a first reading may skip."""
 from dataclasses import dataclass, field
 
 import torch
@@ -10,15 +11,47 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-import parallel
+import reward
 
 LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax: at a 32k vocabulary, 128 MiB per fp32 copy
 FORK_METHODS = ("copy", "gather")
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How responses, MC continuations and evaluation answers are sampled (train.py's --temperature,
+    --top-p, --max-new-tokens, --max-batch-tokens; evaluation replaces the temperature)."""
+    temperature: float        # softmax(logits / T); every log-prob divides its logits by T too; 0: greedy
+    top_p: float              # nucleus sampling; the log-probs do not model it (1.0 samples the policy exactly)
+    max_new_tokens: int       # a response's token budget; an MC continuation has what its prefix leaves
+    eos_id: int
+    pad_id: int
+    stop: str | None = None   # a string that ends a response (reward.STOP), cut off with what follows it
+    tokenizer: object = None  # decodes: for the stop string and for grading
+    max_batch_tokens: int = 65536  # one generate call's budget: rows x (prefix + new tokens)
+
+
 @dataclass
 class Episode:
-    """One sampled response and everything computed from it, all in token space."""
+    """One sampled response and everything computed from it, all in token space. T = len(response_ids),
+    n = number of steps. Who fills what, in the order of train.py's loop:
+
+    field          shape / type       set by (phase)                              read by
+    prompt_ids     list [P]           sample_episodes (1), from the problem       every forward pass
+    response_ids   list [T]           sample_episodes (1); EOS when it stopped    every forward pass
+    gold, question str                sample_episodes (1), from the problem       grade
+    math           bool               sample_episodes (1): a MATH problem          grade, vine.split_steps
+    group          int                sample_episodes (1): its prompt's index      GRPO, group_chunks
+    finished       bool               sample_episodes (1): stopped within budget   its reward (else 0)
+    reward         float              sample_episodes (2): grade                   advantages, critic loss
+    step_starts    list [n]           vine.split_steps (3)                        vine.mc_values, advantages
+    old_logp       tensor [T]         old_logprobs (4)                            ppo.ppo_update (ratio)
+    step_values    list [n]           vine.mc_values (5, VinePPO); None past cap  vine.episode_advantages
+    critic_values  tensor [T]         value.critic_values (5, PPO/TPPO)           ppo.gae, the critic's loss
+    advantages     tensor [T]         ppo.assign_advantages (6)                   ppo.ppo_update
+    returns        tensor [T]         ppo.assign_advantages (6, PPO/TPPO)         the critic's loss
+    ref_logp       tensor [T]         reference_logprobs (7)                      ppo.ppo_update (KL)
+    """
     prompt_ids: list[int]      # BOS + prompt tokens
     response_ids: list[int]    # sampled tokens, EOS included when the policy stopped
     gold: str                  # the problem's answer field, for grading
@@ -26,14 +59,60 @@ class Episode:
     finished: bool             # stopped (EOS or the stop string) within the token budget
     reward: float = 0.0
     step_starts: list[int] = field(default_factory=list)   # token index where each step starts
-    values: list[float] = field(default_factory=list)      # V(s_0..s_{n-1}), s_0 = prompt only
+    step_values: list[float] = field(default_factory=list)  # V_hat(s_0..s_{n-1}) by MC, s_0 = prompt only
     advantages: torch.Tensor | None = None                 # [T] one per response token
     old_logp: torch.Tensor | None = None                   # [T] log-probs under the sampling policy
     ref_logp: torch.Tensor | None = None                   # [T] log-probs under the reference
-    old_values: torch.Tensor | None = None                 # [T] critic's V(s_t) before each token
+    critic_values: torch.Tensor | None = None              # [T] critic's V(s_t) before each token
     returns: torch.Tensor | None = None                    # [T] critic's regression targets
     question: str = ""                                     # the problem (MATH's grader reads it)
+    math: bool = False                                     # a MATH problem: MATH's grader and steps
 
+
+def grade(ep: Episode, response_ids: list[int], tokenizer) -> float:
+    """R of a whole response (ep's own, or a prefix of it and a continuation) to ep's problem: reward.grade."""
+    text = tokenizer.decode(response_ids, skip_special_tokens=True)
+    return reward.grade(text, ep.gold, ep.question, ep.math)
+
+
+def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> list[Episode]:
+    """k responses to each problem, graded (an unfinished response scores 0)."""
+    prompts = [p["prompt_ids"] for p in problems]
+    conts, done = sample(model, prompts, k, [sampling.max_new_tokens] * len(prompts), sampling)
+    episodes = [Episode(p["prompt_ids"], c, p["answer"], group, f, question=p["question"],
+                        math=p.get("math", False))
+                for group, (p, cs, fs) in enumerate(zip(problems, conts, done)) for c, f in zip(cs, fs)]
+    for ep in episodes:
+        ep.reward = grade(ep, ep.response_ids, sampling.tokenizer) if ep.finished else 0.0
+    return episodes
+
+
+@torch.no_grad()
+def old_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int, keep_cache: bool = False):
+    """Set ep.old_logp ([T]) by one forward pass over the episodes; -> its KV cache (keep_cache) or None."""
+    logps, cache = response_logprobs(model, episodes, temperature, pad_id, keep_cache)
+    for ep, lp in zip(episodes, logps):
+        ep.old_logp = lp
+    return cache
+
+
+def reference_logprobs(ref, episodes: list[Episode], temperature: float, pad_id: int, batch_tokens: int):
+    """Set ep.ref_logp ([T]) under the frozen reference, once per iteration (reference pitfall 11)."""
+    for chunk in group_chunks(episodes, batch_tokens):
+        for ep, lp in zip(chunk, response_logprobs(ref, chunk, temperature, pad_id)[0]):
+            ep.ref_logp = lp
+
+
+@torch.no_grad()
+def response_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int, keep_cache=False):
+    """([T] log-probs of each episode's response tokens, the KV cache of the pass or None)."""
+    ids, mask = pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id,
+                          next(model.parameters()).device)
+    logp, cache = token_logprobs(model, ids, mask, temperature, keep_cache)
+    return per_response(logp, episodes), cache
+
+
+# ---- engineering: padding, log-softmax in pieces, the KV-cache fork, batching (skip on a first reading) -----
 
 def pad_id(tok) -> int:
     """The tokenizer's pad id, or EOS where it has none (Llama's): padding is masked anyway."""
@@ -120,17 +199,17 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     return ids, mask, forked
 
 
-def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, fork_method: str | None, pad_id: int, *,
-                    temperature: float, top_p: float, eos_id: int, tokenizer=None, stop: str | None = None):
+def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, sampling: Sampling,
+                    fork_method: str | None = None):
     """New ids of k forks of each prefix by HF `generate`; the fork buffers die on return (one batch alive)."""
-    ids, mask, forked = fork(cache, prefixes, rows, k, budget, pad_id, fork_method)
+    ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id, fork_method)
     # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
-        else dict(do_sample=False)
+    decoding = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) \
+        if sampling.temperature > 0 else dict(do_sample=False)
     # synced_gpus=False: each process decodes on its own (with FSDP, HF would lock processes in step)
     out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=budget,
-                         eos_token_id=eos_id, pad_token_id=eos_id, stop_strings=stop, tokenizer=tokenizer,
-                         synced_gpus=False, **sampling)
+                         eos_token_id=sampling.eos_id, pad_token_id=sampling.eos_id, stop_strings=sampling.stop,
+                         tokenizer=sampling.tokenizer, synced_gpus=False, **decoding)
     return out[:, ids.shape[1]:].tolist()
 
 
@@ -149,26 +228,23 @@ def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str |
 
 
 @torch.no_grad()
-def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temperature: float, top_p: float,
-           eos_id: int, pad_id: int, cache=None, rows: list[int] | None = None, max_batch_tokens: int = 65536,
-           tokenizer=None, stop: str | None = None, fork_method: str | None = None):
+def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling: Sampling, *, cache=None,
+           rows: list[int] | None = None, fork_method: str | None = None):
     """k continuations and finished flags per prefix, forked from `cache` (row rows[j]) or encoded here."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
     budgets = [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
-    decoding = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, tokenizer=tokenizer, stop=stop)
-    gen = dict(decoding, pad_id=pad_id, max_batch_tokens=max_batch_tokens, fork_method=fork_method)
     if cache is None:  # encode the prefixes, once each, in groups that fit the budget; then fork
-        group = max(1, max_batch_tokens // (k * (max(map(len, prefixes)) + max(budgets))))
+        group = max(1, sampling.max_batch_tokens // (k * (max(map(len, prefixes)) + max(budgets))))
         conts, done = [], []
         for lo in range(0, len(prefixes), group):
             part = prefixes[lo: lo + group]
-            ids, mask = pad_right(part, pad_id, device)
+            ids, mask = pad_right(part, sampling.pad_id, device)
             part_cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
-            c, d = sample(model, part, k, budgets[lo: lo + group], cache=part_cache,
-                          rows=list(range(len(part))), **gen)
+            c, d = sample(model, part, k, budgets[lo: lo + group], sampling, cache=part_cache,
+                          rows=list(range(len(part))), fork_method=fork_method)
             conts, done = conts + c, done + d
         return conts, done
     was_training = model.training
@@ -178,37 +254,17 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], *, temp
     while order:
         chunk = [order.pop()]  # greedily fill a batch, longest budget first
         cost = lambda c: len(c) * k * (max(len(prefixes[j]) for j in c) + budgets[c[0]])
-        while order and cost(chunk + order[-1:]) <= max_batch_tokens:
+        while order and cost(chunk + order[-1:]) <= sampling.max_batch_tokens:
             chunk.append(order.pop())
         budget = budgets[chunk[0]]
         new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
-                              fork_method, pad_id, **decoding) if budget > 0 else [[]] * (len(chunk) * k)
+                              sampling, fork_method) if budget > 0 else [[]] * (len(chunk) * k)
         for i, j in enumerate(chunk):
-            results = [finish(seq, budgets[j], eos_id, tokenizer, stop) for seq in new[i * k:(i + 1) * k]]
+            results = [finish(seq, budgets[j], sampling.eos_id, sampling.tokenizer, sampling.stop)
+                       for seq in new[i * k:(i + 1) * k]]
             conts[j], done[j] = [c for c, _ in results], [f for _, f in results]
     model.train(was_training)
     return conts, done
-
-
-def sample_episodes(model, problems: list[dict], k: int, grade, *, max_new_tokens: int, **gen) -> list[Episode]:
-    """k responses to each problem, graded: grade(response_ids, episode) -> reward (0 if unfinished)."""
-    conts, done = sample(model, [p["prompt_ids"] for p in problems], k, [max_new_tokens] * len(problems), **gen)
-    episodes = [Episode(p["prompt_ids"], c, p["answer"], group, f, question=p["question"])
-                for group, (p, cs, fs) in enumerate(zip(problems, conts, done)) for c, f in zip(cs, fs)]
-    for ep in episodes:
-        ep.reward = grade(ep.response_ids, ep) if ep.finished else 0.0
-    return episodes
-
-
-def reference_logprobs(ref, episodes, *, temperature: float, pad_id: int, forward_batch_tokens: int, autocast):
-    """Set ep.ref_logp ([T]) under the frozen reference, once per iteration (reference pitfall 11)."""
-    device = next(ref.parameters()).device
-    for chunk in group_chunks(episodes, forward_batch_tokens):
-        ids, mask = pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad_id, device)
-        with torch.no_grad(), autocast:
-            logp, _ = token_logprobs(ref, ids, mask, temperature)
-        for ep, lp in zip(chunk, per_response(logp, chunk)):
-            ep.ref_logp = lp
 
 
 def group_chunks(episodes, max_tokens: int):
@@ -229,24 +285,3 @@ def per_response(logp, episodes):
     """Row slices of a [B, L-1] tensor: one [T] tensor per episode (its response tokens)."""
     return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
             for i, ep in enumerate(episodes)]
-
-
-def evaluate(policy, problems, cfg, tok, gen, grade, autocast, iteration: int) -> dict:
-    """Held-out accuracy: the mean reward of --eval-samples samples per problem at --eval-temperature (the
-    paper's 0.35), and of one greedy answer per problem; three samples go to samples.jsonl."""
-    mine = problems[parallel.rank()::parallel.world_size()]
-    with autocast, parallel.whole(policy):
-        episodes = sample_episodes(policy, mine, cfg.eval_samples, grade, temperature=cfg.eval_temperature,
-                                   **gen)
-        greedy = sample_episodes(policy, mine, 1, grade, temperature=0.0, **gen)
-    if parallel.rank() == 0:
-        with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
-            text = lambda ids: tok.decode(ids, skip_special_tokens=True)
-            for ep in episodes[: 3 * cfg.eval_samples: cfg.eval_samples]:
-                row = dict(iteration=iteration, prompt=text(ep.prompt_ids), response=text(ep.response_ids))
-                f.write(json.dumps({**row, "gold": ep.gold, "reward": ep.reward}) + "\n")
-    totals = torch.tensor([sum(ep.reward for ep in eps) for eps in (episodes, greedy)] + [len(mine)],
-                          dtype=torch.float64)
-    sampled, greedy_correct, count = parallel.all_reduce_sum(totals.to(next(policy.parameters()).device))
-    return {"eval_accuracy": (sampled / (count * cfg.eval_samples)).item(),
-            "eval_greedy_accuracy": (greedy_correct / count).item()}

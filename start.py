@@ -1,6 +1,10 @@
 """Everything before the first iteration: process, precision, output directory, data, models (SFT warm
 start, frozen reference, critic) and optimizers; on --resume, all of it as the last checkpoint left it.
---precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup), on CPUs too."""
+--precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup), on CPUs too.
+
+Needs: checkpoint.py, parallel.py, ppo.py (Learner), reward.py (data), rollout.py (padding),
+value.py (Critic). All engineering around the algorithm (the SFT warm start is the reference's §3.3): a first
+reading may skip this file."""
 import copy
 import fcntl
 import math
@@ -70,6 +74,7 @@ def start_run(cfg, device, autocast):
     train_set = reward.load_problems(cfg.data, "train", slip=cfg.arith_slip, **task)
     eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", **task)
     eval_set = eval_set[: cfg.eval_problems or None]
+    reward.is_math(train_set + eval_set)  # one format for both: MATH's grader and steps, or GSM8K's
     resume_from, state = checkpoint.find_resume(cfg)
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
     if cfg.gradient_checkpointing:
@@ -79,6 +84,8 @@ def start_run(cfg, device, autocast):
     train_set, eval_set = (drop_long_prompts(problems, cfg.max_prompt_tokens, split)
                            for problems, split in ((train_set, "training"), (eval_set, "held-out")))
     fit_prompts_per_iter(cfg, len(train_set))
+    if state is None or state["iteration"] < cfg.iterations:  # a run that trains records what it runs with
+        checkpoint.record_settings(cfg)
     if cfg.sft_steps and not resume_from:  # the KL reference and the critic start from the SFT policy
         sft_warm_start(policy, tok, train_set, cfg, device, autocast)
         ref.load_state_dict(parallel.full_state_dict(policy))
@@ -198,7 +205,7 @@ def go_offline_without_hub(cfg):
     first, and if it cannot be reached they run offline (cached files only, a missing one fails at once)."""
     from huggingface_hub import constants, get_session
     model = checkpoint.ALIASES.get(cfg.model, cfg.model)
-    needs_hub = (model != "tiny" and not os.path.isdir(model)) or "gsm8k" in (cfg.data, cfg.eval_data)
+    needs_hub = (model != "tiny" and not os.path.isdir(model)) or {"gsm8k", "math"} & {cfg.data, cfg.eval_data}
     if not needs_hub or constants.HF_HUB_OFFLINE:
         return
     try:

@@ -132,7 +132,7 @@ LATEXISH = st.sampled_from(list("0123456789+-*/^=.,()[]{}$%!xyzi\\ \nboxedfracsq
 def test_grader_and_splitter_take_any_text(latexish, anything):
     for completion in (latexish, "$\\boxed{" + latexish + "}$", anything):
         assert math_reward(completion, "$\\boxed{" + latexish + "}$", LIST) in (0.0, 1.0)
-        bounds = vine.math_step_offsets(completion)
+        bounds = math_grader.math_step_offsets(completion)
         assert bounds[0] == 0 and bounds[-1] == len(completion)
         assert all(a < b for a, b in zip(bounds, bounds[1:])) or bounds == [0, 0]  # '' is one empty step
 
@@ -165,7 +165,7 @@ def test_the_time_limit_interrupts_a_long_computation():
     ("", [""]), ("ab", ["ab"]), ("\n", ["\n"]),
 ])
 def test_math_steps_as_the_reference_splits(text, steps):
-    bounds = vine.math_step_offsets(text)
+    bounds = math_grader.math_step_offsets(text)
     assert [text[a:b] for a, b in zip(bounds, bounds[1:])] == steps
 
 
@@ -173,9 +173,9 @@ def check_steps(text: str) -> list[int]:
     """No empty step; a boundary inside a LaTeX span only where the reference cuts one: after a math
     separator (',$', '=', '+', ...) of a part over 100 characters; in a multi-line span also at a newline,
     or after prose punctuation (a piece cut at a newline inside a span no longer sees the span whole)."""
-    bounds = vine.math_step_offsets(text)
+    bounds = math_grader.math_step_offsets(text)
     assert bounds[0] == 0 and bounds[-1] == len(text) and all(a < b for a, b in zip(bounds, bounds[1:]))
-    spans = [m.span() for pattern in vine.MATH_SPANS for m in re.finditer(pattern, text, flags=re.S)]
+    spans = [m.span() for pattern in math_grader.MATH_SPANS for m in re.finditer(pattern, text, flags=re.S)]
     math_cut, prose_cut = r"(,\$|,\\\)|,\\\]|=|\\equiv|\+|\\cancelto)$", r"(,|\sand|:|\sto)$"
     for b in bounds[1:-1]:
         for lo, hi in (span for span in spans if span[0] < b < span[1]):
@@ -214,7 +214,7 @@ def test_math_steps_in_token_space():
         ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
         pieces = vine.decoded_pieces(tok, ids)
         firsts = [sum(map(len, pieces[:t])) for t in range(len(ids))]
-        bounds = vine.math_step_offsets("".join(pieces))
+        bounds = math_grader.math_step_offsets("".join(pieces))
         expected = sorted({0} | {next(t for t, c in enumerate(firsts) if c >= b) for b in bounds[1:-1]})
         assert vine.response_step_starts(tok, ids, math=True) == expected
         multi_step += len(expected) > 1
@@ -288,7 +288,8 @@ def test_math_path_with_the_tiny_model(tmp_path, algo):
     assert [row["iteration"] for row in rows] == [0, 1] and rows[-1]["episodes"] == 8
     assert rows[-1]["mc_states"] > 0 if algo == "vineppo" else "policy_loss" in rows[-1]
     state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=True)
-    assert state["config"]["max_value_states"] == 0 and state["iteration"] == 1
+    settings = json.loads((tmp_path / "config.json").read_text())
+    assert settings["max_value_states"] == 0 and state["iteration"] == 1
     samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
     problems = {row["solution"]: row["problem"] for row in FIXTURE}
     assert all(s["reward"] == math_reward(s["response"], s["gold"], problems[s["gold"]]) for s in samples)

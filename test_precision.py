@@ -217,10 +217,10 @@ def test_forked_greedy_under_autocast_matches_reencoding(model):
     seqs = random_seqs([30, 17, 25])
     ids, mask = rollout.pad_right(seqs, 0)
     prefixes, rows = [seqs[0][:12], seqs[1][:5], seqs[2][:25]], [0, 1, 2]
-    kw = dict(temperature=0.0, top_p=1.0, eos_id=2, pad_id=0)
+    greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0)
     with torch.no_grad(), bf16():
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
-        forked, _ = rollout.sample(model, prefixes, 2, [12] * 3, cache=cache, rows=rows, **kw)
+        forked, _ = rollout.sample(model, prefixes, 2, [12] * 3, greedy, cache=cache, rows=rows)
         for prefix, forks in zip(prefixes, forked):
             alone = model.generate(torch.tensor([prefix]), max_new_tokens=12, do_sample=False,
                                    eos_token_id=2, pad_token_id=0)[0, len(prefix):].tolist()  # HF's own cache
@@ -234,8 +234,9 @@ def sampling_peak(model, cache, n_prefixes, max_batch_tokens):
     prefixes = [seqs[r][:18] for r in rows]
     gc.collect()
     with bench.LiveTensorBytes() as counter:  # EOS out of the vocabulary: every row runs its full budget
-        rollout.sample(model, prefixes, 4, [60] * n_prefixes, cache=cache, rows=rows, temperature=1.0,
-                       top_p=1.0, eos_id=40, pad_id=0, max_batch_tokens=max_batch_tokens)
+        sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=60, eos_id=40, pad_id=0,
+                                    max_batch_tokens=max_batch_tokens)
+        rollout.sample(model, prefixes, 4, [60] * n_prefixes, sampling, cache=cache, rows=rows)
     return counter.peak
 
 
@@ -263,8 +264,9 @@ def test_gather_fork_equals_copy_fork(model, autocast):
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
         copied = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
         gathered = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
-        kw = dict(temperature=0.0, top_p=1.0, eos_id=2, pad_id=0, cache=cache, rows=rows)
-        samples = [rollout.sample(model, prefixes, 2, [6] * 5, fork_method=method, **kw)
+        greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=2, pad_id=0)
+        samples = [rollout.sample(model, prefixes, 2, [6] * 5, greedy, cache=cache, rows=rows,
+                                  fork_method=method)
                    for method in rollout.FORK_METHODS]
     assert samples[0] == samples[1]
     assert torch.equal(copied[0], gathered[0]) and torch.equal(copied[1], gathered[1])
@@ -290,5 +292,4 @@ def test_each_algo_runs_in_bf16_on_cpu(tmp_path, algo, extra):
         assert row["nonfinite_skips"] == 0 and "policy_loss" in row and row["kl"] >= 0
         assert ("value_loss" in row) == (algo in ("ppo", "tppo"))
         assert (row["mc_states"] > 0) == (algo == "vineppo")
-    state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=True)
-    assert state["config"]["precision"] == "bf16"
+    assert json.loads((tmp_path / "config.json").read_text())["precision"] == "bf16"  # the run's settings

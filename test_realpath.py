@@ -1,5 +1,6 @@
 """Tests of the real-data path: GSM8K's own answers, SentencePiece-style tokenization (step boundaries,
 SFT targets), the reference's stop string and context budget, and offline errors."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -248,17 +249,19 @@ def runaway_model(char_tok):
 def test_stop_string_cuts_an_invented_next_problem(char_tok, runaway_model):
     tok, (model, prompt) = char_tok, runaway_model
     eos = tok.eos_token_id
-    gen = dict(temperature=0.0, top_p=1.0, eos_id=eos, pad_id=tok.pad_token_id)
-    runs_on, done = rollout.sample(model, [prompt], 2, [200], **gen)
+    greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=200, eos_id=eos,
+                              pad_id=tok.pad_token_id)
+    runs_on, done = rollout.sample(model, [prompt], 2, [200], greedy)
     assert tok.decode(runs_on[0][0], skip_special_tokens=True) == RUNAWAY and done == [[True, True]]
     assert gsm8k_reward(RUNAWAY, "#### 8") == 0.0  # graded on the invented problem's '#### 2'
     state = prompt + tok("\n5+3=8", add_special_tokens=False).input_ids  # a main rollout and an MC state
-    conts, done = rollout.sample(model, [prompt, state], 2, [200, 200], tokenizer=tok, stop=STOP, **gen)
+    stopping = dataclasses.replace(greedy, tokenizer=tok, stop=STOP)
+    conts, done = rollout.sample(model, [prompt, state], 2, [200, 200], stopping)
     assert conts[0] == [tok("\n5+3=8\n#### 8", add_special_tokens=False).input_ids + [eos]] * 2
     assert conts[1] == [tok("\n#### 8", add_special_tokens=False).input_ids + [eos]] * 2
     assert done == [[True, True], [True, True]]
     assert gsm8k_reward(tok.decode(conts[0][0], skip_special_tokens=True), "#### 8") == 1.0
-    short, done = rollout.sample(model, [prompt], 1, [10], tokenizer=tok, stop=STOP, **gen)
+    short, done = rollout.sample(model, [prompt], 1, [10], stopping)
     assert len(short[0][0]) == 10 and done == [[False]]  # out of budget before any stop: unfinished
 
 
@@ -267,9 +270,10 @@ def test_context_length_caps_the_budget():
     config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(config).eval()
-    gen = dict(temperature=1.0, top_p=1.0, eos_id=40, pad_id=0)  # EOS outside the vocabulary: never sampled
+    # EOS outside the vocabulary: never sampled
+    sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=100, eos_id=40, pad_id=0)
     prefixes = [[3] * 50, [4] * 10, [5] * 64, [6] * 70]
-    conts, done = rollout.sample(model, prefixes, 2, [100, 20, 100, 100], **gen)
+    conts, done = rollout.sample(model, prefixes, 2, [100, 20, 100, 100], sampling)
     # min(budget, 64 - prefix length): 14, 20, and nothing at all for prefixes that fill the context
     assert [[len(c) for c in cs] for cs in conts] == [[14, 14], [20, 20], [0, 0], [0, 0]]
     assert not any(f for fs in done for f in fs)

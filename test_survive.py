@@ -230,14 +230,33 @@ def test_metrics_rows_torn_last_line_dropped_any_other_bad_line_refused(tmp_path
 @pytest.mark.parametrize("state, message", [
     ({}, "is not a trainer state (no int 'iteration')"),
     ([1, 2], "is not a trainer state (no int 'iteration')"),
-    ({"iteration": 1, "config": {}, "optimizers": [], "rng": []},
-     "is not a trainer state (no --iterations in its config)"),
+    ({"iteration": 1, "config": {}, "rng": []}, "is not a trainer state (no list 'optimizers')"),
 ])
 def test_a_trainer_state_of_the_wrong_shape_is_refused_in_one_line(tmp_path, state, message):
     (tmp_path / "checkpoint").mkdir()
     torch.save(state, tmp_path / "checkpoint" / "trainer_state.pt")
     with pytest.raises(DataError, match=r"--resume: .*trainer_state.pt " + re.escape(message)):
         checkpoint.find_resume(train.parse_args(["--out", str(tmp_path), "--resume"]))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (None, "cannot be read"), ("{", "cannot be read"),
+    ('{"model": "tiny"}', "is not a run's settings (no --iterations)"),
+])
+def test_resume_checks_the_runs_settings_file(tmp_path, settings, message):
+    """OUT/config.json is what --resume compares a continued run with: missing or damaged, one line."""
+    (tmp_path / "checkpoint").mkdir()
+    torch.save({"iteration": 1, "optimizers": [], "rng": []}, tmp_path / "checkpoint" / "trainer_state.pt")
+    if settings is not None:
+        (tmp_path / "config.json").write_text(settings)
+    resume = train.parse_args(["--out", str(tmp_path), "--resume", "--iterations", "3"])
+    with pytest.raises(DataError, match=r"^--resume: .*config.json " + re.escape(message)):
+        checkpoint.find_resume(resume)
+    checkpoint.record_settings(train.parse_args(["--out", str(tmp_path), "--iterations", "2", "--seed", "1"]))
+    with pytest.raises(DataError, match=rf"^--resume: {tmp_path} was written with --seed 1, not 0$"):
+        checkpoint.find_resume(resume)
+    written = json.loads((tmp_path / "config.json").read_text())  # every setting, not only those changed
+    assert set(written) == set(vars(train.Config())) and (written["iterations"], written["seed"]) == (2, 1)
 
 
 def test_a_damaged_checkpoint_is_named_as_the_runs_not_as_model(tmp_path, tiny):
@@ -326,9 +345,11 @@ def test_an_unreachable_hub_fails_fast_in_one_line(tmp_path):
     train_py = os.path.join(HERE, "train.py")
     runs = [subprocess.Popen([sys.executable, train_py, "--out", str(tmp_path / name), *args], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for name, args in (("model", ["--model", "some-org/some-model"]), ("data", ["--data", "gsm8k"]))]
+            for name, args in (("model", ["--model", "some-org/some-model"]), ("data", ["--data", "gsm8k"]),
+                               ("math", ["--data", "math"]))]
     for proc, message in zip(runs, ("error: --model 'some-org/some-model': cannot load it",
-                                    "error: --data gsm8k: cannot load openai/gsm8k from the hub")):
+                                    "error: --data gsm8k: cannot load openai/gsm8k from the hub",
+                                    "error: --data math: cannot load zzy1123/MATH_train_test_split")):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and err.startswith(message) and err.count("\n") == 1, err[-3000:]
         assert "cannot be reached" in out

@@ -10,7 +10,7 @@ import checkpoint
 import diagnose
 import rollout
 import value
-from reward import STOP, gsm8k_reward, load_problems
+from reward import STOP, load_problems
 
 PROMPT = "What is 1+2+4-1?\n"
 GOLD = "1+2=3\n3+4=7\n7-1=6\n#### 6"
@@ -33,7 +33,7 @@ def scripted(monkeypatch, tok, group=GROUP, continuations=CONTINUATIONS):
     """rollout.sample replaced: k = len(group) samples the group, else the continuations of the state."""
     prompt_len = len(diagnose.encode_prompt(tok, PROMPT))
 
-    def fake_sample(model, prefixes, k, budgets, **gen):
+    def fake_sample(model, prefixes, k, budgets, sampling, **kw):
         (prefix,) = prefixes
         texts = group if k == len(group) else continuations[tok.decode(prefix[prompt_len:])]
         conts = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
@@ -41,23 +41,19 @@ def scripted(monkeypatch, tok, group=GROUP, continuations=CONTINUATIONS):
         return [conts], [[True] * k]
 
     monkeypatch.setattr(rollout, "sample", fake_sample)
-    return dict(temperature=0.6, top_p=0.9, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), tokenizer=tok,
-                stop=STOP)
-
-
-def grade(tok):
-    return lambda ids, ep: gsm8k_reward(tok.decode(ids, skip_special_tokens=True), ep.gold)
+    return rollout.Sampling(temperature=0.6, top_p=0.9, max_new_tokens=64, eos_id=tok.eos_token_id,
+                            pad_id=rollout.pad_id(tok), stop=STOP, tokenizer=tok)
 
 
 def test_trace_numbers_match_hand_computation(tiny, monkeypatch):
     _, tok, policy = tiny
-    gen = scripted(monkeypatch, tok)
+    sampling = scripted(monkeypatch, tok)
     problems = [{"question": PROMPT.strip(), "prompt": PROMPT, "answer": GOLD}]
-    index, group, wrong = diagnose.first_wrong_answer(policy, problems, 5, grade(tok), gen, 64)
+    index, group, wrong = diagnose.first_wrong_answer(policy, problems, 5, sampling)
     assert (index, wrong) == (0, 1) and [ep.reward for ep in group] == [1, 0, 1, 0, 1]
     torch.manual_seed(0)
     critic = value.Critic(policy.base_model, "scalar")
-    rows = diagnose.trace_steps(policy, critic, group, wrong, 4, gen, 64)
+    rows = diagnose.trace_steps(policy, critic, group, wrong, 4, sampling)
     # the steps as training splits them, and nothing lost: their texts make the response
     assert [r["text"] for r in rows] == ["\n1+2=3", "\n3+4=8", "\n8-1=7\n#### 7"]
     assert "".join(r["text"] for r in rows) == WRONG
@@ -82,11 +78,11 @@ def test_trace_numbers_match_hand_computation(tiny, monkeypatch):
 
 def test_first_wrong_answer_skips_right_groups_and_says_none(tiny, monkeypatch):
     _, tok, policy = tiny
-    gen = scripted(monkeypatch, tok, group=[RIGHT, RIGHT])
+    sampling = scripted(monkeypatch, tok, group=[RIGHT, RIGHT])
     problems = [{"question": PROMPT.strip(), "prompt": PROMPT, "answer": a} for a in (GOLD, "#### 7")]
-    index, group, wrong = diagnose.first_wrong_answer(policy, problems, 2, grade(tok), gen, 64)
+    index, group, wrong = diagnose.first_wrong_answer(policy, problems, 2, sampling)
     assert (index, wrong) == (1, 0)  # all right on the first problem; wrong against the second's gold
-    assert diagnose.first_wrong_answer(policy, problems[:1], 2, grade(tok), gen, 64) is None
+    assert diagnose.first_wrong_answer(policy, problems[:1], 2, sampling) is None
 
 
 def test_trace_command_end_to_end(tiny, tmp_path, capsys):

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 import checkpoint
 import ppo
 import rollout
+import train
 import value
 import vine
 from reward import (DataError, arith_dataset, extract_answer, gsm8k_reward, load_problems, read_jsonl, sft_target,
@@ -94,7 +95,7 @@ def test_step_advantages_hand_computed():
 def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
     calls = []
 
-    def fake_sample(model, prefixes, k, budgets, **kw):
+    def fake_sample(model, prefixes, k, budgets, sampling, **kw):
         calls.append((prefixes, budgets))
         # continuation j of a prefix is [j]; its reward (below) is 1 iff j < len(prefix) % 4
         return [[[j] for j in range(k)] for _ in prefixes], [[True] * k for _ in prefixes]
@@ -103,26 +104,26 @@ def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
     eps = [rollout.Episode([1, 5], [7, 8, 9, 2], "", 0, True, step_starts=[0, 1, 3]),
            rollout.Episode([1, 5], [7, 8, 6, 2], "", 0, True, step_starts=[0, 2]),
            rollout.Episode([1, 6], [7, 2], "", 1, True, step_starts=[0])]
-    grade = lambda ids, ep: float(ids[-1] < (len(ep.prompt_ids) + len(ids) - 1) % 4)
-    n_states, _ = vine.mc_values(None, eps, cache=None, rows=[0, 1, 2], k=4, grade=grade,
-                                 max_new_tokens=10, max_states=25)
-    assert n_states == 5   # 6 states, [1,5] shared by the two samples of prompt 0
+    grade = lambda ep, ids, tok: float(ids[-1] < (len(ep.prompt_ids) + len(ids) - 1) % 4)
+    monkeypatch.setattr(rollout, "grade", grade)
+    sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10, eos_id=2, pad_id=0)
+    counts = vine.mc_values(None, eps, None, 4, sampling, max_states=25)
+    assert counts["mc_states"] == 5   # 6 states, [1,5] shared by the two samples of prompt 0
     assert len(calls) == 1 and sorted(calls[0][1]) == [7, 8, 9, 10, 10]  # budget = 10 - boundary
     # prefix length L -> continuation rewards [j < L % 4 for j < 4] -> value (L % 4) / 4
-    assert eps[0].values == [2 / 4, 3 / 4, 1 / 4]
-    assert eps[1].values == [2 / 4, 0 / 4]
-    assert eps[2].values == [2 / 4]
+    assert eps[0].step_values == [2 / 4, 3 / 4, 1 / 4]
+    assert eps[1].step_values == [2 / 4, 0 / 4]
+    assert eps[2].step_values == [2 / 4]
 
 
-def test_mc_values_cap_leaves_none():
+def test_mc_values_cap_leaves_none(monkeypatch):
     ep = rollout.Episode([1], [4, 4, 4, 2], "", 0, True, step_starts=[0, 1, 2, 3])
-    orig = rollout.sample
-    rollout.sample = lambda m, prefixes, k, b, **kw: ([[[2]] * k for _ in prefixes], [[True] * k for _ in prefixes])
-    try:
-        vine.mc_values(None, [ep], None, [0], 2, lambda ids, e: 1.0, max_new_tokens=8, max_states=2)
-    finally:
-        rollout.sample = orig
-    assert ep.values == [1.0, 1.0, None, None]
+    monkeypatch.setattr(rollout, "sample", lambda m, prefixes, k, b, sampling, **kw: (
+        [[[2]] * k for _ in prefixes], [[True] * k for _ in prefixes]))
+    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: 1.0)
+    sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, pad_id=0)
+    vine.mc_values(None, [ep], None, 2, sampling, max_states=2)
+    assert ep.step_values == [1.0, 1.0, None, None]
 
 
 # ---- rollouts and forking -----------------------------------------------------------------
@@ -147,10 +148,10 @@ def test_forked_greedy_equals_reencoded_greedy(model):
     _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
     prefixes = [seqs[0][:12], seqs[0][:30], seqs[1][:5], seqs[2][:25], seqs[1][:17]]
     rows = [0, 0, 1, 2, 1]
-    kw = dict(temperature=0.0, top_p=1.0, eos_id=2, pad_id=0)
-    forked, _ = rollout.sample(model, prefixes, 3, [12] * 5, cache=cache, rows=rows, **kw)
+    greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0)
+    forked, _ = rollout.sample(model, prefixes, 3, [12] * 5, greedy, cache=cache, rows=rows)
     for prefix, forks in zip(prefixes, forked):
-        alone, _ = rollout.sample(model, [prefix], 1, [12], **kw)  # re-encoded, unbatched
+        alone, _ = rollout.sample(model, [prefix], 1, [12], greedy)  # re-encoded, unbatched
         assert len(set(map(tuple, forks))) == 1 and forks[0] == alone[0][0]
         assert len(set(forks[0])) > 1  # a non-trivial continuation
 
@@ -184,7 +185,8 @@ def test_token_logprobs_temperature_and_alignment(model):
 
 
 def test_sample_budget_and_finish_flags(model):
-    conts, done = rollout.sample(model, random_seqs([6, 6]), 2, [3, 5], temperature=1.0, top_p=1.0, eos_id=2, pad_id=0)
+    sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=5, eos_id=2, pad_id=0)
+    conts, done = rollout.sample(model, random_seqs([6, 6]), 2, [3, 5], sampling)
     for cs, fs, budget in zip(conts, done, [3, 5]):
         for c, f in zip(cs, fs):
             assert 1 <= len(c) <= budget and f == (c[-1] == 2) and 2 not in c[:-1]
@@ -215,7 +217,9 @@ def test_mc_estimate_matches_the_exact_value_by_enumeration():
     _, cache = rollout.token_logprobs(m, ids, mask, temperature, keep_cache=True)
     n = 4000
     for kw in ({}, {"cache": cache, "rows": [0]}):  # re-encoded, and forked from a longer sequence
-        conts, done = rollout.sample(m, [state], n, [budget], temperature=temperature, top_p=1.0, eos_id=eos, pad_id=0, **kw)
+        sampling = rollout.Sampling(temperature=temperature, top_p=1.0, max_new_tokens=budget, eos_id=eos,
+                                    pad_id=0)
+        conts, done = rollout.sample(m, [state], n, [budget], sampling, **kw)
         estimate = sum(reward(c, d) for c, d in zip(conts[0], done[0])) / n
         assert abs(estimate - truth) < 4 * math.sqrt(truth * (1 - truth) / n)  # rewards in [0, 1]: var <= v(1-v)
 
@@ -269,10 +273,10 @@ def test_masked_whiten_with_global_statistics():
 
 def test_merge_metrics_of_several_processes():
     import parallel
-    rows = [({"episodes": 8, "mc_states": 10}, {"train_reward": 0.5, "lr": 1e-5}, {"time_values": 2.0, "seconds": 5.0}),
-            ({"episodes": 8, "mc_states": 14}, {"train_reward": 0.75, "lr": 1e-5}, {"time_values": 3.0, "seconds": 4.0})]
+    rows = [({"episodes": 8, "mc_states": 10}, {"train_reward": 0.5, "lr": 1e-5}, {"time_mc_values": 2.0, "seconds": 5.0}),
+            ({"episodes": 8, "mc_states": 14}, {"train_reward": 0.75, "lr": 1e-5}, {"time_mc_values": 3.0, "seconds": 4.0})]
     assert parallel.merge_metrics(rows) == {"episodes": 16, "mc_states": 24, "train_reward": 0.625, "lr": 1e-5,
-                                            "time_values": 3.0, "seconds": 5.0}
+                                            "time_mc_values": 3.0, "seconds": 5.0}
     assert parallel.merge_metrics(rows[:1]) == {**rows[0][0], **rows[0][1], **rows[0][2]}
 
 
@@ -625,9 +629,13 @@ def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1, 2]
     for key in ("train_reward", "eval_accuracy", "eval_greedy_accuracy", "kl", "policy_loss", "clipfrac",
-                "approx_kl", "tokens_generated", "seconds", "time_rollout", "time_values", "time_update"):
+                "approx_kl", "tokens_generated", "seconds", *train.PHASES):
         assert key in rows[-1]
     assert rows[1]["mc_states"] > 0 and (tmp_path / "samples.jsonl").exists()
+    # the settings that differ from the defaults, the demo's included, printed first; all in config.json
+    printed = r.stdout.split("settings (")[1].splitlines()[0]
+    assert "--sft-steps 3 " in printed and "--lr 0.0001 " in printed and "--algo" not in printed
+    assert json.loads((tmp_path / "config.json").read_text())["lr"] == train.DEMO["lr"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
     tok = AutoTokenizer.from_pretrained(tmp_path / "checkpoint")
     assert model.config.vocab_size == len(tok) and not (tmp_path / "checkpoint.tmp").exists()
@@ -691,7 +699,6 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
 def test_gradient_checkpointing_runs(tmp_path, algo):
     """--gradient-checkpointing reaches the policy, the critic still trains (ppo), and the MC forks
     of the second iteration, sampled while the policy is in training mode, still get their KV cache."""
-    import train
     cfg = train.parse_args(["--algo", algo, "--out", str(tmp_path), *SMALL, "--gradient-checkpointing"])
     policy = train.main(cfg)
     assert policy.is_activation_checkpointing
@@ -709,13 +716,15 @@ def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):
                 {"question": "Weng earns $12 an hour. She worked 2 hours. How much did she earn?",
                  "answer": "She earned 12*2 = <<12*2=24>>24.\n#### 24"}] * 3
     data.write_text("".join(json.dumps(p) + "\n" for p in problems))
-    r = run_train("--model", str(tmp_path / "model"), "--data", str(data), "--out", str(tmp_path / "out"), *SMALL)
+    # two distinct questions are too few to hold one out: the held-out set is given (here, the same file)
+    r = run_train("--model", str(tmp_path / "model"), "--data", str(data), "--eval-data", str(data),
+                  "--out", str(tmp_path / "out"), *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(open(tmp_path / "out" / "metrics.jsonl").readlines()) == 3
     AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint")
 
 
-TIMING = ("seconds", "time_rollout", "time_values", "time_logprobs", "time_update")
+TIMING = ("seconds", *train.PHASES)
 
 
 def numbers(out):
@@ -799,7 +808,6 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
 ])
 def test_bad_setting_gives_one_line_error(capsys, args, message):
     """Every setting is checked once, right after parsing: exit status 2 and one line, no traceback."""
-    import train
     with pytest.raises(SystemExit) as stop:
         train.parse_args(args)
     err = capsys.readouterr().err

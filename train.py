@@ -5,11 +5,17 @@
     python train.py --model rho-math-1.1b --data math      # the paper's MATH row (its own SFT checkpoint)
     torchrun --nproc_per_node 8 train.py --model rho-math-1.1b --data gsm8k   # 8 GPUs, DDP
 
-One iteration (VinePPO, Algorithm 1): draw prompts -> sample and grade responses -> old log-probs,
-and from the same forward pass the MC values of every step boundary -> step advantages ->
-reference log-probs -> epochs of clipped PPO on minibatches -> log, evaluate, checkpoint.
+One iteration (VinePPO, Algorithm 1), a call per phase in main's loop: draw prompts -> sample and grade
+responses (rollout.py, reward.py) -> step boundaries (vine.py) -> old log-probs and the KV cache of their
+forward pass (rollout.py) -> the MC values, forked from that cache (vine.py), or a critic's values
+(value.py) -> advantages -> reference log-probs -> epochs of clipped PPO (ppo.py) -> log, evaluate, save.
+
+Needs: rollout, reward, vine, ppo, value (the algorithm); start (everything before the first iteration),
+checkpoint, parallel (torchrun). Algorithm: Config and its presets, main, evaluate; the engineering
+sections (a setting's rule, the command line, metrics, exits) may be skipped on a first reading.
 """
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -18,6 +24,7 @@ import signal
 import sys
 import time
 
+import torch
 from tqdm import tqdm
 
 import checkpoint
@@ -28,8 +35,10 @@ import rollout
 import start
 import value
 import vine
-from reward import STOP, DataError, gsm8k_reward, math_reward
+from reward import DataError
 
+
+# ---- engineering: how a setting is declared and checked (skip on a first reading) ----------------------
 
 def arg(default, help, valid=None):
     """A setting: its default, its help, and its rule (a test and the words for what it expects)."""
@@ -46,6 +55,8 @@ ordered = lambda v, low: re.fullmatch(r"\d+-\d+", v) and low <= int(v.split("-")
 STEPS = (lambda v: ordered(v, 1), "MIN-MAX, 1 <= MIN <= MAX")
 TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
 
+
+# ---- the settings: python train.py --help lists them -----------------------------------------------------
 
 @dataclasses.dataclass
 class Config:
@@ -122,6 +133,93 @@ MATH = dict(iterations=1000, max_value_states=0)
 PRESETS = ((DEMO, "in the demo (--model tiny)"), (MATH, "with MATH data"))
 
 
+def main(cfg: Config):
+    rank, world, device, autocast = start.start_process(cfg)  # torchrun: one process per GPU; else 0 of 1
+    # data, models (SFT warm start, frozen reference, critic), optimizers; or all from --out's checkpoint
+    tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
+    sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                                eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), stop=reward.STOP,
+                                tokenizer=tok, max_batch_tokens=cfg.max_batch_tokens)
+    if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
+        log(cfg.out, {"iteration": 0, **evaluate(policy.model, eval_set, cfg, sampling, autocast, 0)})
+        if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
+            checkpoint.save_training_state(cfg, 0, tok, policy, critic)
+
+    for it in range((done or 0) + 1, cfg.iterations + 1):
+        watch = Stopwatch()  # the seconds of each phase: the time_* metrics
+        # 1-3. prompts (the reference shuffles with seed + iteration), responses and rewards, step boundaries
+        problems = reward.draw_problems(train_set, cfg.prompts_per_iter, cfg.seed + it, rank, world)
+        with autocast, parallel.whole(policy.model):  # FSDP: full weights while processes sample apart
+            episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, sampling)
+        vine.split_steps(episodes, tok)
+        watch.lap("time_rollout")
+        # 4-5. old log-probs, a forward pass per batch of episodes; VinePPO forks its KV cache (every state
+        #      of the batch, none encoded twice) for the MC values: K continuations of each step boundary
+        mc_counts = collections.Counter()
+        with autocast, parallel.whole(policy.model):
+            for batch in rollout.group_chunks(episodes, cfg.forward_batch_tokens):
+                cache = rollout.old_logprobs(policy.model, batch, cfg.temperature, sampling.pad_id,
+                                             keep_cache=cfg.algo == "vineppo")
+                watch.lap("time_logprobs")
+                if cfg.algo == "vineppo":
+                    mc_counts += vine.mc_values(policy.model, batch, cache, cfg.mc_rollouts, sampling,
+                                                cfg.max_value_states)
+                    watch.lap("time_mc_values")
+                del cache  # before the next batch's forward pass allocates its own
+        if critic is not None:  # 5. PPO, TPPO: the critic's V(s_t) before each token
+            with autocast, parallel.whole(critic.model):
+                value.critic_values(critic.model, episodes, sampling.pad_id, cfg.forward_batch_tokens)
+            watch.lap("time_critic_values")
+        # 6. advantages: VinePPO's from the MC values, GAE's from the critic's, or GRPO's group-normalised
+        diagnostics = ppo.assign_advantages(cfg.algo, episodes, cfg.gamma, cfg.lam, cfg.lam_critic)
+        watch.lap("time_advantages")
+        # 7. reference log-probs, once per iteration
+        with autocast:
+            rollout.reference_logprobs(ref, episodes, cfg.temperature, sampling.pad_id,
+                                       cfg.forward_batch_tokens)
+        watch.lap("time_reference")
+        # 8. epochs of clipped PPO on shuffled minibatches (during --critic-warmup only the critic learns);
+        #    GRPO's advantages are already normalised per group: whitening again would re-centre them
+        stats = ppo.ppo_update(episodes, policy, critic, epochs=cfg.epochs, minibatch=cfg.minibatch // world,
+                               micro_batch=cfg.micro_batch, temperature=cfg.temperature, clip=cfg.clip,
+                               kl_coef=cfg.kl_coef, value_clip=cfg.value_clip,
+                               move_policy=it > cfg.critic_warmup, whiten=cfg.algo != "grpo",
+                               pad_id=sampling.pad_id, device=device, autocast=autocast)
+        watch.lap("time_update")
+        # 9. log, evaluate, checkpoint: every N iterations (N = 0: never) and at the last one
+        due = lambda every: it == cfg.iterations or (every > 0 and it % every == 0)
+        row = {"iteration": it, **iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, watch)}
+        if due(cfg.eval_every):
+            row.update(evaluate(policy.model, eval_set, cfg, sampling, autocast, it))
+        log(cfg.out, row)
+        if due(cfg.save_every):
+            checkpoint.save_training_state(cfg, it, tok, policy, critic)
+    return policy.model
+
+
+def evaluate(policy, problems: list[dict], cfg: Config, sampling, autocast, iteration: int) -> dict:
+    """Held-out accuracy: the mean reward of --eval-samples samples per problem at --eval-temperature (the
+    paper's 0.35), and of one greedy answer per problem; three samples go to samples.jsonl."""
+    mine = problems[parallel.rank()::parallel.world_size()]
+    with autocast, parallel.whole(policy):
+        episodes = rollout.sample_episodes(policy, mine, cfg.eval_samples,
+                                           dataclasses.replace(sampling, temperature=cfg.eval_temperature))
+        greedy = rollout.sample_episodes(policy, mine, 1, dataclasses.replace(sampling, temperature=0.0))
+    if parallel.rank() == 0:
+        with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
+            text = lambda ids: sampling.tokenizer.decode(ids, skip_special_tokens=True)
+            for ep in episodes[: 3 * cfg.eval_samples: cfg.eval_samples]:
+                row = dict(iteration=iteration, prompt=text(ep.prompt_ids), response=text(ep.response_ids))
+                f.write(json.dumps({**row, "gold": ep.gold, "reward": ep.reward}) + "\n")
+    totals = torch.tensor([sum(ep.reward for ep in eps) for eps in (episodes, greedy)] + [len(mine)],
+                          dtype=torch.float64)
+    sampled, greedy_correct, count = parallel.all_reduce_sum(totals.to(next(policy.parameters()).device))
+    return {"eval_accuracy": (sampled / (count * cfg.eval_samples)).item(),
+            "eval_greedy_accuracy": (greedy_correct / count).item()}
+
+
+# ---- engineering: the command line, metrics, logging, exits (skip on a first reading) ------------------
+
 def parse_args(argv=None) -> Config:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)  # one line, no usage
@@ -154,67 +252,24 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 
-def main(cfg: Config):
-    rank, world, device, autocast = start.start_process(cfg)  # torchrun: one process per GPU; else 0 of 1
-    # data, models (SFT warm start, frozen reference, critic), optimizers; or all from --out's checkpoint
-    tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
-    # sampling settings shared by rollouts, MC continuations and evaluation; the reference's stop string
-    gen = dict(top_p=cfg.top_p, eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), tokenizer=tok, stop=STOP,
-               max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens)
-    math_task = reward.is_math(train_set + eval_set)  # MATH's grader and steps, or GSM8K's
-    score = (lambda text, ep: math_reward(text, ep.gold, ep.question)) if math_task else \
-        (lambda text, ep: gsm8k_reward(text, ep.gold))
-    grade = lambda response_ids, ep: score(tok.decode(response_ids, skip_special_tokens=True), ep)
-    evaluate = lambda it: rollout.evaluate(policy.model, eval_set, cfg, tok, gen, grade, autocast, it)
-    critic_model = critic and critic.model
-    if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
-        log(cfg.out, {"iteration": 0, **evaluate(0)})
-        if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
-            checkpoint.save_training_state(cfg, 0, tok, policy, critic)
-
-    for it in range((done or 0) + 1, cfg.iterations + 1):
-        clock = [time.time()]  # when each phase ends, for the time_* metrics
-        # 1-3. prompts (the reference shuffles with seed + iteration), responses, rewards, step boundaries
-        problems = reward.draw_problems(train_set, cfg.prompts_per_iter, cfg.seed + it, rank, world)
-        with autocast, parallel.whole(policy.model):  # FSDP: full weights while processes sample apart
-            episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, grade,
-                                               temperature=cfg.temperature, **gen)
-        for ep in episodes:
-            ep.step_starts = vine.response_step_starts(tok, ep.response_ids, math=math_task)
-        clock.append(time.time())
-        # 4-5. old log-probs and, from the same forward pass, the values (its KV cache holds every state the
-        #      MC rollouts fork: no state is encoded twice); then the advantages
-        with parallel.whole(policy.model, critic_model):
-            mc_counts = vine.old_logprobs_and_values(
-                policy.model, critic_model, episodes, grade, algo=cfg.algo, temperature=cfg.temperature,
-                mc_rollouts=cfg.mc_rollouts, max_value_states=cfg.max_value_states,
-                forward_batch_tokens=cfg.forward_batch_tokens, autocast=autocast, **gen)
-        diagnostics = ppo.assign_advantages(cfg.algo, episodes, cfg.gamma, cfg.lam, cfg.lam_critic)
-        clock.append(time.time())
-        # 6. reference log-probs, once per iteration
-        rollout.reference_logprobs(ref, episodes, temperature=cfg.temperature, pad_id=gen["pad_id"],
-                                   forward_batch_tokens=cfg.forward_batch_tokens, autocast=autocast)
-        clock.append(time.time())
-        # 7. epochs of clipped PPO on shuffled minibatches (during --critic-warmup only the critic learns);
-        #    GRPO's advantages are already normalised per group: whitening again would re-centre them
-        stats = ppo.ppo_update(episodes, policy, critic, epochs=cfg.epochs, minibatch=cfg.minibatch // world,
-                               micro_batch=cfg.micro_batch, temperature=cfg.temperature, clip=cfg.clip,
-                               kl_coef=cfg.kl_coef, value_clip=cfg.value_clip,
-                               move_policy=it > cfg.critic_warmup, whiten=cfg.algo != "grpo",
-                               pad_id=gen["pad_id"], device=device, autocast=autocast)
-        clock.append(time.time())
-        # 8. log, evaluate, checkpoint: every N iterations (N = 0: never) and at the last one
-        due = lambda every: it == cfg.iterations or (every > 0 and it % every == 0)
-        row = {"iteration": it, **iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, clock)}
-        if due(cfg.eval_every):
-            row.update(evaluate(it))
-        log(cfg.out, row)
-        if due(cfg.save_every):
-            checkpoint.save_training_state(cfg, it, tok, policy, critic)
-    return policy.model
+PHASES = ("time_rollout", "time_logprobs", "time_mc_values", "time_critic_values", "time_advantages",
+          "time_reference", "time_update")
 
 
-def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy, clock: list) -> dict:
+class Stopwatch(dict):
+    """Seconds per phase: lap(phase) adds the time since the last lap (or the start) to it."""
+
+    def __init__(self):
+        super().__init__(dict.fromkeys(PHASES, 0.0))
+        self.began = self.last = time.time()
+
+    def lap(self, phase: str):
+        now = time.time()
+        self[phase] += now - self.last
+        self.last = now
+
+
+def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy, watch) -> dict:
     """One metrics row: counts summed over processes, means averaged, times of the slowest process."""
     n_tokens = sum(len(ep.response_ids) for ep in episodes)
     counts = {k: stats.pop(k) for k in ("skipped_batches", "nonfinite_skips")}
@@ -223,9 +278,7 @@ def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict,
     means = {"train_reward": sum(ep.reward for ep in episodes) / len(episodes), **stats,
              "response_tokens": n_tokens / len(episodes), "lr": policy.scheduler.get_last_lr()[0],
              **diagnostics}
-    phases = ("time_rollout", "time_values", "time_logprobs", "time_update")
-    times = {**{name: end - begin for name, begin, end in zip(phases, clock, clock[1:])},
-             "seconds": clock[-1] - clock[0]}
+    times = {**watch, "seconds": watch.last - watch.began}
     return parallel.merge_metrics(parallel.gather((counts, means, times)))
 
 

@@ -2,11 +2,14 @@
   - "scalar":   V_t = w.H_t + c, MSE with value clipping (the PPO baseline; reference §2.7).
   - "tracking": TPPO: z_t = b + sum_{P <= i <= t} h_i, V_t = sigmoid(z_t) (b at P-1; a Bayes step per token),
                 BCE-with-logits against the outcome at every state s_0..s_T (s_T trains h at EOS).
-  - "bce":      z_t = w.H_t + c, the same BCE loss without the sum: the control for the loss alone."""
+  - "bce":      z_t = w.H_t + c, the same BCE loss without the sum: the control for the loss alone.
+
+Needs: ppo.py (masked_mean), rollout.py (padding, forward batches). All of it is the algorithm of PPO/TPPO."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import rollout
 from ppo import masked_mean
 
 HEADS = ("scalar", "tracking", "bce")
@@ -52,6 +55,17 @@ class Critic(nn.Module):
         bce = F.binary_cross_entropy_with_logits(out, target, reduction="none")
         loss = masked_mean(bce, response_states(mask))
         return loss, {"value_loss": loss.item(), "value_clipfrac": 0.0}
+
+
+@torch.no_grad()
+def critic_values(critic: Critic, episodes: list[rollout.Episode], pad_id: int, forward_batch_tokens: int):
+    """Set ep.critic_values ([T]): V(s_t) before each response token, a forward pass per batch of episodes."""
+    device = next(critic.parameters()).device
+    for chunk in rollout.group_chunks(episodes, forward_batch_tokens):
+        ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad_id, device)
+        prompt_lens = torch.tensor([len(ep.prompt_ids) for ep in chunk], device=device)
+        for ep, v in zip(chunk, rollout.per_response(critic.values(ids, mask, prompt_lens), chunk)):
+            ep.critic_values = v
 
 
 def tracking_logits(o, prompt_lens):
