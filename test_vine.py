@@ -709,7 +709,8 @@ def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):
                 {"question": "Weng earns $12 an hour. She worked 2 hours. How much did she earn?",
                  "answer": "She earned 12*2 = <<12*2=24>>24.\n#### 24"}] * 3
     data.write_text("".join(json.dumps(p) + "\n" for p in problems))
-    r = run_train("--model", str(tmp_path / "model"), "--data", str(data), "--out", str(tmp_path / "out"), *SMALL)
+    r = run_train("--model", str(tmp_path / "model"), "--data", str(data), "--eval-data", str(data),
+                  "--out", str(tmp_path / "out"), *SMALL)  # without --eval-data: too few to hold out a split
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(open(tmp_path / "out" / "metrics.jsonl").readlines()) == 3
     AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint")
