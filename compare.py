@@ -131,7 +131,7 @@ def as_flags(settings: dict) -> list[str]:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="compare", help="directory for all runs (finished runs are reused)")
-    p.add_argument("--chains", default="6-8,12-16", help="comma-separated --arith-steps settings")
+    p.add_argument("--chains", default="6-8,10-12", help="comma-separated --arith-steps settings")
     p.add_argument("--traps", default="0-2", help="--arith-traps of every run ('': the plain task)")
     p.add_argument("--slip", type=float, default=0.7, help="--arith-slip of the SFT demonstrations")
     p.add_argument("--algos", default="vineppo,grpo,ppo")
