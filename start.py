@@ -98,7 +98,7 @@ def start_run(cfg, device, autocast):
         critic = checkpoint.load_critic(resume_from, device) if resume_from else \
             value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
         if critic is None:
-            raise DataError(f"--resume: {resume_from} has no critic/; --overwrite starts the run again")
+            raise checkpoint.start_again(f"{resume_from} has no critic/")
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
             critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
     ref.eval().requires_grad_(False)
