@@ -47,12 +47,15 @@ def recorded_settings(out: str) -> dict:
         with open(path) as f:
             settings = json.load(f)
     except (OSError, ValueError) as e:
-        raise DataError(f"--resume: {path} cannot be read ({first_line(e)}); --overwrite starts the run "
-                        "again") from None
+        raise start_again(f"{path} cannot be read ({first_line(e)})") from None
     if not isinstance(settings, dict) or not isinstance(settings.get("iterations"), int):
-        raise DataError(f"--resume: {path} is not a run's settings (no --iterations); --overwrite starts the "
-                        "run again")
+        raise start_again(f"{path} is not a run's settings (no --iterations)")
     return settings
+
+
+def start_again(problem: str) -> DataError:
+    """What a --resume that cannot continue says: the problem, and the way out."""
+    return DataError(f"--resume: {problem}; --overwrite starts the run again")
 
 
 def build_tiny_model(path: str, seed: int):
@@ -86,8 +89,7 @@ def load_model(name: str, device, trust_remote_code: bool = False, resuming: boo
         model.to(device)
     except Exception as e:  # hub, network and format errors all end here: one line, not a traceback
         if resuming:  # the run's own files, not a setting the user gave
-            raise DataError(f"--resume: {name} cannot be loaded ({first_line(e)}); --overwrite starts the "
-                            "run again") from None
+            raise start_again(f"{name} cannot be loaded ({first_line(e)})") from None
         if isinstance(e, FileNotFoundError):
             raise DataError(f"--model {name!r}: no such directory") from None
         raise DataError(f"--model {name!r}: cannot load it ({first_line(e)}); offline, point "
@@ -138,8 +140,7 @@ def load_critic(checkpoint: str, device):
         critic = value.Critic(AutoModel.from_pretrained(path), head["head"])
         critic.head.load_state_dict(head["state"])
     except Exception as e:  # a PPO run's checkpoint without its critic cannot continue
-        raise DataError(f"--resume: {path} cannot be loaded ({first_line(e)}); --overwrite starts the run "
-                        "again") from None
+        raise start_again(f"{path} cannot be loaded ({first_line(e)})") from None
     return critic.to(device)
 
 
@@ -158,8 +159,7 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
     path = last_checkpoint(cfg.out)
     if path is None:
         if any(os.path.exists(os.path.join(cfg.out, name)) for name in ("checkpoint", "checkpoint.old")):
-            raise DataError(f"--resume: {cfg.out}/checkpoint has no trainer_state.pt to continue from; "
-                            "--overwrite starts the run again")
+            raise start_again(f"{cfg.out}/checkpoint has no trainer_state.pt to continue from")
         # killed before its first checkpoint: starting over loses only rows a resume would drop too
         tqdm.write(f"--resume: no checkpoint in {cfg.out} yet, starting from scratch")
         return None, None
@@ -187,8 +187,7 @@ def check_shape(state, path: str):
     shape = {"iteration": int, "optimizers": list, "rng": list}
     for key, kind in shape.items():
         if not isinstance(state, dict) or not isinstance(state.get(key), kind):
-            raise DataError(f"--resume: {path} is not a trainer state (no {kind.__name__} {key!r}); "
-                            "--overwrite starts the run again")
+            raise start_again(f"{path} is not a trainer state (no {kind.__name__} {key!r})")
 
 
 def save_training_state(cfg, iteration: int, tok, policy, critic):
@@ -218,8 +217,7 @@ def restore_training_state(cfg, state: dict | None, learners: list) -> int | Non
     try:
         restore_states(cfg, state, learners)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise DataError(f"--resume: the trainer state in {cfg.out} does not fit this run ({first_line(e)}); "
-                        "--overwrite starts the run again") from None
+        raise start_again(f"the trainer state in {cfg.out} does not fit this run ({first_line(e)})") from None
     if parallel.rank() == 0:
         for path in filter(os.path.exists, paths):
             rows = rows_up_to(path, state["iteration"])

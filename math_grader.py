@@ -6,6 +6,7 @@ rewritten, with the differences listed in docs/math.md), and where a MATH soluti
 it under ~400 lines); needs no sibling.
 
     normalize(answer)           string clean-up: \\dfrac -> \\frac, units, degrees, \\left, spaces, ...
+    answer_parts(answer, prob)  an extracted answer normalized, and split where the problem asks for a list
     math_equal(pred, gold)      strings, then close numbers, tuples and intervals, matrices, 'x=5',
                                 then sympy (time-limited; any parser error is 'not equal')
     answers_match(preds, golds) every prediction matches a gold answer and every gold one a prediction
@@ -58,6 +59,15 @@ def normalize(answer: str) -> str:
         s = re.sub(rf"\\{command}\s+(\w+)$", rf"\\{command}{{\1}}", s)
     s = slash_to_frac(braced_fracs(s.replace(" ", "")))
     return re.sub(r"(\\|,|\.)+$", "", s)
+
+
+def answer_parts(answer: str, problem: str = "") -> list[str]:
+    """An extracted answer's first line, normalized, split at commas when the problem asks for a list
+    ('separated by commas'), else at '\\text{ and }' (reward.math_answers)."""
+    answer = normalize(answer.strip().split("\n")[0].lstrip(":").rstrip(".").rstrip("/"))
+    if "separated by commas" in problem and not any(c in answer for c in "()[]"):
+        return [a.strip() for a in answer.split(",")]
+    return [a.strip() for a in re.split(r"\\text\{\s*and\s*\}", answer)]
 
 
 def braced_fracs(s: str) -> str:

@@ -299,14 +299,7 @@ def math_answers(text: str, problem: str = "") -> list[str]:
         found = [text.split("```output")[-1].split("```")[0]]
     else:
         found = re.findall(r"-?\d*\.?\d+", text.replace(",", ""))[-1:]
-    answers = []
-    for answer in found:
-        answer = math_grader.normalize(answer.strip().split("\n")[0].lstrip(":").rstrip(".").rstrip("/"))
-        if "separated by commas" in problem and not any(c in answer for c in "()[]"):
-            answers += [a.strip() for a in answer.split(",")]
-        else:
-            answers += [a.strip() for a in re.split(r"\\text\{\s*and\s*\}", answer)]
-    return answers
+    return [part for answer in found for part in math_grader.answer_parts(answer, problem)]
 
 
 @functools.lru_cache(maxsize=20_000)

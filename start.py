@@ -72,8 +72,7 @@ def start_run(cfg, device, autocast):
     go_offline_without_hub(cfg)
     task = dict(steps=cfg.arith_steps, traps=cfg.arith_traps, hold_out=not cfg.eval_data)  # .jsonl: no overlap
     train_set = reward.load_problems(cfg.data, "train", slip=cfg.arith_slip, **task)
-    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", **task)
-    eval_set = eval_set[: cfg.eval_problems or None]
+    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", **task)[: cfg.eval_problems or None]
     reward.is_math(train_set + eval_set)  # one format for both: MATH's grader and steps, or GSM8K's
     resume_from, state = checkpoint.find_resume(cfg)
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
@@ -98,7 +97,7 @@ def start_run(cfg, device, autocast):
         critic = checkpoint.load_critic(resume_from, device) if resume_from else \
             value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
         if critic is None:
-            raise DataError(f"--resume: {resume_from} has no critic/; --overwrite starts the run again")
+            raise checkpoint.start_again(f"{resume_from} has no critic/")
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
             critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
     ref.eval().requires_grad_(False)

@@ -135,7 +135,6 @@ PRESETS = ((DEMO, "in the demo (--model tiny)"), (MATH, "with MATH data"))
 
 def main(cfg: Config):
     rank, world, device, autocast = start.start_process(cfg)  # torchrun: one process per GPU; else 0 of 1
-    # data, models (SFT warm start, frozen reference, critic), optimizers; or all from --out's checkpoint
     tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
     sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                                 eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), stop=reward.STOP,
@@ -153,8 +152,7 @@ def main(cfg: Config):
             episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, sampling)
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
-        # 4-5. old log-probs, a forward pass per batch of episodes; VinePPO forks its KV cache (every state
-        #      of the batch, none encoded twice) for the MC values: K continuations of each step boundary
+        # 4-5. old log-probs, a pass per batch; VinePPO forks its KV cache: K continuations per step boundary
         mc_counts = collections.Counter()
         with autocast, parallel.whole(policy.model):
             for batch in rollout.group_chunks(episodes, cfg.forward_batch_tokens):

@@ -52,12 +52,12 @@ def mc_values(model, episodes: list[rollout.Episode], cache, k: int, sampling: r
 
 def step_advantages(values: list[float], reward: float) -> list[float]:
     """A_i = r_i + V(s_{i+1}) - V(s_i) (VinePPO §4); a None value (past the cap) takes the realised return."""
-    v = list(values) + [0.0]
-    for i in reversed(range(len(values))):
+    n, v = len(values), list(values) + [0.0]
+    r = [0.0] * (n - 1) + [reward]  # r_i = R * [i = n-1]
+    for i in reversed(range(n)):
         if v[i] is None:
-            v[i] = (reward if i == len(values) - 1 else 0.0) + v[i + 1]
-    n = len(values)
-    return [(reward if i == n - 1 else 0.0) + v[i + 1] - v[i] for i in range(n)]
+            v[i] = r[i] + v[i + 1]
+    return [r[i] + v[i + 1] - v[i] for i in range(n)]
 
 
 def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) -> list[float]:
