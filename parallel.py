@@ -27,6 +27,7 @@ def init(device: torch.device):
 
 def close():
     if dist.is_initialized():
+        dist.barrier()  # no process tears its connections down while another still writes its checkpoint
         dist.destroy_process_group()
 
 
