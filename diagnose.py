@@ -39,7 +39,7 @@ import rollout
 import value
 import vine
 from checkpoint import load_critic, load_model
-from reward import STOP, DataError, encode_prompt, gsm8k_reward, load_problems
+from reward import STOP, DataError, encode_prompt, grade, load_problems
 
 
 def pairwise_accuracy(groups) -> float:
@@ -79,17 +79,17 @@ def delta_correlation(rows, name) -> float:
     return correlation(pred, gt)
 
 
-def mc_rewards(policy, prompt, prefix, gold, n, sampling) -> list[float]:
-    """Rewards of n fresh continuations of prompt + prefix (the full solution is graded)."""
+def mc_rewards(policy, prompt, prefix, gold, n, sampling, question="", is_math=False) -> list[float]:
+    """Rewards of n fresh continuations of prompt + prefix (the full solution is graded, as training does)."""
     tok = sampling.tokenizer
     if prefix and prefix[-1] == sampling.eos_id:  # a finished response: its value is its reward
-        return [gsm8k_reward(tok.decode(prefix, skip_special_tokens=True), gold)] * n
+        return [grade(tok.decode(prefix, skip_special_tokens=True), gold, question, is_math)] * n
     if len(prefix) >= sampling.max_new_tokens:  # no budget left: unfinished
         return [0.0] * n
     budget = sampling.max_new_tokens - len(prefix)
     conts, done = rollout.sample(policy, [prompt + prefix], n, [budget], sampling)
     texts = [tok.decode(prefix + c, skip_special_tokens=True) for c in conts[0]]
-    return [gsm8k_reward(t, gold) if f else 0.0 for t, f in zip(texts, done[0])]
+    return [grade(t, gold, question, is_math) if f else 0.0 for t, f in zip(texts, done[0])]
 
 
 def critic_value(critic, prompt, prefix, pad) -> float:
@@ -145,12 +145,13 @@ def value_accuracy(a, tok, policy, sampling, problems, out):
     """Every state of one sampled trajectory per problem, against the ground truth; printed and saved."""
     critic = load_critic(a.checkpoint, next(policy.parameters()).device)
     ks = [int(k) for k in a.k.split(",")]
-    mc = lambda prompt, prefix, gold, n: sum(mc_rewards(policy, prompt, prefix, gold, n, sampling)) / n
+    mc = lambda prompt, prefix, prob, n: sum(mc_rewards(policy, prompt, prefix, prob["answer"], n, sampling,
+                                                        prob["question"], prob.get("math", False))) / n
     estimators = [f"mc{k}" for k in ks] + ([f"critic_{critic.head_type}"] if critic else [])
 
-    def estimate(prompt, resp_prefix, gold) -> dict:
-        row = {"gt": mc(prompt, resp_prefix, gold, a.gt_rollouts)}
-        row.update({f"mc{k}": mc(prompt, resp_prefix, gold, k) for k in ks})
+    def estimate(prompt, resp_prefix, prob) -> dict:
+        row = {"gt": mc(prompt, resp_prefix, prob, a.gt_rollouts)}
+        row.update({f"mc{k}": mc(prompt, resp_prefix, prob, k) for k in ks})
         if critic:
             row[f"critic_{critic.head_type}"] = critic_value(critic, prompt, resp_prefix, sampling.pad_id)
         return row
@@ -159,10 +160,10 @@ def value_accuracy(a, tok, policy, sampling, problems, out):
     for t, prob in enumerate(problems):
         prompt = encode_prompt(tok, prob["prompt"])
         resp = rollout.sample(policy, [prompt], 1, [a.max_new_tokens], sampling)[0][0][0]
-        starts = vine.response_step_starts(tok, resp)
+        starts = vine.response_step_starts(tok, resp, math=prob.get("math", False))
         for i, b in enumerate(starts):
             rows.append({"trajectory": t, "step": i, "n_steps": len(starts),
-                         **estimate(prompt, resp[:b], prob["answer"])})
+                         **estimate(prompt, resp[:b], prob)})
             if len(ranking[estimators[0]]) >= a.ranking_states:
                 continue
             # alternatives: sample next steps from this state, keep the distinct ones (>= 2)
@@ -170,12 +171,12 @@ def value_accuracy(a, tok, policy, sampling, problems, out):
                                    sampling)[0][0]
             actions = set()
             for c in conts:
-                cut = vine.response_step_starts(tok, resp[:b] + c)
+                cut = vine.response_step_starts(tok, resp[:b] + c, math=prob.get("math", False))
                 nxt = [s for s in cut if s > b]
                 actions.add(tuple((resp[:b] + c)[b: nxt[0]] if nxt else c))
             if len(actions) < 2:
                 continue
-            q = [estimate(prompt, resp[:b] + list(act), prob["answer"]) for act in actions]
+            q = [estimate(prompt, resp[:b] + list(act), prob) for act in actions]
             for name in estimators:
                 ranking[name].append(([r["gt"] for r in q], [r[name] for r in q]))
 
@@ -263,8 +264,8 @@ def trace_steps(policy, critic, group, wrong, k, sampling) -> list[dict]:
     """A row per step of group[wrong]: its text, V_hat(s_i) +- s.e. and the advantages, by training's code."""
     tok, ep = sampling.tokenizer, group[wrong]
     vine.split_steps([ep], tok)
-    rewards = [mc_rewards(policy, ep.prompt_ids, ep.response_ids[:b], ep.gold, k, sampling)
-               for b in ep.step_starts]  # K rewards per state s_i
+    rewards = [mc_rewards(policy, ep.prompt_ids, ep.response_ids[:b], ep.gold, k, sampling, ep.question,
+                          ep.math) for b in ep.step_starts]  # K rewards per state s_i
     ep.step_values = [sum(r) / k for r in rewards]
     vine_adv = vine.step_advantages(ep.step_values, ep.reward)
     ppo.assign_advantages("grpo", group, 1.0, 1.0, 1.0)  # normalised within the problem's group
