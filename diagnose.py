@@ -106,6 +106,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", required=True, help="a train.py checkpoint (critic/ inside is used)")
     p.add_argument("--data", default="arith")
     p.add_argument("--arith-steps", default="2-5", help="arith only: steps per chain, MIN-MAX, as in training")
+    p.add_argument("--arith-traps", default="", help="arith only: traps per chain, MIN-MAX, as in training")
     p.add_argument("--out", default=None, help="where the outputs go (default: the checkpoint's parent)")
     p.add_argument("--trajectories", type=int, default=32, help="held-out trajectories, one per problem")
     p.add_argument("--gt-rollouts", type=int, default=256, help="continuations per ground-truth value")
@@ -132,7 +133,7 @@ def main(argv=None):
     tok, policy = load_model(a.checkpoint, device)
     sampling = rollout.Sampling(temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens,
                                 eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), stop=STOP, tokenizer=tok)
-    problems = load_problems(a.data, "test", steps=a.arith_steps)
+    problems = load_problems(a.data, "test", steps=a.arith_steps, traps=a.arith_traps)
     out = a.out or os.path.dirname(os.path.abspath(a.checkpoint))
     os.makedirs(out, exist_ok=True)
     if a.trace:
