@@ -47,6 +47,7 @@ class Episode:
     step_starts    list [n]           vine.split_steps (3)                        vine.mc_values, advantages
     old_logp       tensor [T]         old_logprobs (4)                            ppo.ppo_update (ratio)
     step_values    list [n]           vine.mc_values (5, VinePPO); None past cap  vine.episode_advantages
+    step_counts    list [n]           vine.mc_values (5, with reuse): samples     vine.episode_advantages
     critic_values  tensor [T]         value.critic_values (5, PPO/TPPO)           ppo.gae, the critic's loss
     advantages     tensor [T]         ppo.assign_advantages (6)                   ppo.ppo_update
     returns        tensor [T]         ppo.assign_advantages (6, PPO/TPPO)         the critic's loss
@@ -60,6 +61,7 @@ class Episode:
     reward: float = 0.0
     step_starts: list[int] = field(default_factory=list)   # token index where each step starts
     step_values: list[float] = field(default_factory=list)  # V_hat(s_0..s_{n-1}) by MC, s_0 = prompt only
+    step_counts: list[int] = field(default_factory=list)    # the samples behind each (reuse only)
     advantages: torch.Tensor | None = None                 # [T] one per response token
     old_logp: torch.Tensor | None = None                   # [T] log-probs under the sampling policy
     ref_logp: torch.Tensor | None = None                   # [T] log-probs under the reference

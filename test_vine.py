@@ -1,6 +1,8 @@
 """Tests: the math against hand-computed or exactly enumerable cases, and smoke runs of train.py."""
+import collections
 import contextlib
 import copy
+import itertools
 import json
 import math
 import os
@@ -89,6 +91,9 @@ def test_step_advantages_hand_computed():
     # states past the cap take the realised return: zero advantage there, R - V at the cap
     assert vine.step_advantages([0.5, 0.7, None, None], 1.0) == pytest.approx([0.2, 0.3, 0.0, 0.0])
     assert vine.step_advantages([0.5], 0.0) == pytest.approx([-0.5])
+    # reuse: the response joins V(s_{i+1}) of A_i, (n V + R) / (n + 1), never the baseline V(s_i)
+    assert vine.step_advantages([0.5, 0.25, 1.0], 1.0, [2, 3, 4]) == pytest.approx([0.4375 - 0.5, 0.75, 0.0])
+    assert vine.step_advantages([0.5, 0.25, None], 0.0, [2, 3, None]) == pytest.approx([0.1875 - 0.5, -0.25, 0.0])
     assert vine.token_advantages([0, 2, 3], [1.0, 2.0, 3.0], 5) == [1.0, 1.0, 2.0, 3.0, 3.0]
 
 
@@ -124,6 +129,154 @@ def test_mc_values_cap_leaves_none(monkeypatch):
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, pad_id=0)
     vine.mc_values(None, [ep], None, 2, sampling, max_states=2)
     assert ep.step_values == [1.0, 1.0, None, None]
+
+
+def reference_rollout_count(rewards: list[int], k: int, increment: int, max_k: int, ci_width: float) -> int:
+    """The reference's loop, one round at a time: how many of `rewards` (in order) it draws."""
+    n = k
+    while True:
+        p = sum(rewards[:n]) / n
+        if 2 * 1.96 * (p * (1 - p) / n) ** 0.5 <= ci_width or n >= max_k:
+            return n
+        n += increment
+
+
+def adaptive_count(rewards: list[int], k: int, increment: int, max_k: int, ci_width: float) -> int:
+    n = k
+    while more := vine.more_rollouts(rewards[:n], increment, max_k, ci_width):
+        n += more
+    return n
+
+
+@pytest.mark.parametrize("k, increment, max_k, ci_width", [(3, 2, 9, 0.6), (2, 1, 8, 0.5), (3, 3, 10, 0.05),
+                                                         (4, 3, 11, 0.7), (1, 2, 8, 0.9)])
+def test_more_rollouts_draws_what_the_reference_draws_on_every_outcome(k, increment, max_k, ci_width):
+    # every 0/1 sequence long enough for any stop: the same count as the reference's round-by-round loop
+    longest = max_k + increment
+    for bits in itertools.product((0, 1), repeat=longest):
+        assert adaptive_count(list(bits), k, increment, max_k, ci_width) == \
+            reference_rollout_count(list(bits), k, increment, max_k, ci_width), bits
+
+
+def test_more_rollouts_hand_computed():
+    # the reference's 10, +4, 30, 0.05: ten that agree stop; any disagreement can only stop at 30
+    assert vine.more_rollouts([1] * 10, 4, 30, 0.05) == 0 and vine.more_rollouts([0] * 10, 4, 30, 0.05) == 0
+    assert vine.more_rollouts([1] * 9 + [0], 4, 30, 0.05) == 20
+    assert vine.more_rollouts([1] * 29 + [0], 4, 30, 0.05) == 0  # at the cap
+    # width 0.5: at n = 14 the least width over 5..9 successes is 0.502, at 18 (5 of 18) 0.414: jump 8
+    assert vine.more_rollouts([1] * 5 + [0] * 5, 4, 30, 0.5) == 8
+
+
+def adaptive_law(p: float, k=10, increment=4, max_k=30, ci_width=0.05) -> tuple[float, float]:
+    """Exactly, for a state of value p: (E[V_hat], E[continuations]) under more_rollouts' rule."""
+    from math import comb
+    law = {(k, s): comb(k, s) * p ** s * (1 - p) ** (k - s) for s in range(k + 1)}  # (n, successes) -> prob
+    mean = count = 0.0
+    while law:
+        (n, s), prob = law.popitem()
+        more = vine.more_rollouts([1] * s + [0] * (n - s), increment, max_k, ci_width)
+        if more == 0:
+            mean, count = mean + prob * s / n, count + prob * n
+        for j in range(more + 1 if more else 0):
+            key = (n + more, s + j)
+            law[key] = law.get(key, 0.0) + prob * comb(more, j) * p ** j * (1 - p) ** (more - j)
+    return mean, count
+
+
+def test_adaptive_bias_and_cost_enumerated_exactly():
+    # the docstring's numbers: biased toward the ends, none at 0.5
+    assert adaptive_law(0.9)[0] == pytest.approx(0.9233, abs=1e-4)
+    assert adaptive_law(0.1)[0] == pytest.approx(0.0767, abs=1e-4)
+    assert adaptive_law(0.5)[0] == pytest.approx(0.5, abs=1e-12)
+    assert adaptive_law(1.0) == pytest.approx((1.0, 10.0))
+    for p in (0.1, 0.5, 0.9, 0.99):  # 10, then 20 more unless the first 10 agree
+        assert adaptive_law(p)[1] == pytest.approx(10 + 20 * (1 - p ** 10 - (1 - p) ** 10))
+
+
+# A two-step tree: from the prompt [1], step 1 is token 3 or 4, step 2 is token 3 or 4; the reward of each path
+POLICY = {(1,): {3: 0.7, 4: 0.3}, (1, 3): {3: 0.6, 4: 0.4}, (1, 4): {3: 0.2, 4: 0.8}}
+TREE_REWARD = {(3, 3): 1.0, (3, 4): 0.0, (4, 3): 0.0, (4, 4): 1.0}
+
+
+def paths(state=(1,)):
+    """(continuation, probability) of every way the policy can go on from `state` to the end."""
+    if len(state) == 3:
+        return [((), 1.0)]
+    return [((a,) + rest, pa * pr) for a, pa in POLICY[state].items() for rest, pr in paths(state + (a,))]
+
+
+def true_value(state) -> float:
+    return sum(prob * TREE_REWARD[state[1:] + rest] for rest, prob in paths(state))
+
+
+def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
+    """E[A_i | s_i, a_i] of the first episode by exact enumeration of every response of the group and every
+    MC continuation of every state, through vine.mc_values and vine.step_advantages; and the same with the
+    response put into its own baselines (what reuse must not do). -> {(i, step tokens): (E, E put in baseline)}"""
+    states = [(1,), (1, 3), (1, 4)]
+    assignment = {}
+    monkeypatch.setattr(rollout, "sample", lambda model, prefixes, n, budgets, sampling, **kw: (
+        [[list(assignment[(tuple(p), j)]) for j in range(n)] for p in prefixes], [[True] * n for _ in prefixes]))
+    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: TREE_REWARD[tuple(ids)])
+    sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=2, eos_id=2, pad_id=0)
+    sums, weights = collections.defaultdict(lambda: [0.0, 0.0]), collections.defaultdict(float)
+    continuation_sets = [list(itertools.product(paths(s), repeat=k)) for s in states]
+    for responses in itertools.product(paths(), repeat=group):
+        for conts in itertools.product(*continuation_sets):
+            weight = math.prod(p for _, p in responses) * math.prod(p for c in conts for _, p in c)
+            assignment = {(s, j): c[j][0] for s, c in zip(states, conts) for j in range(k)}
+            eps = [rollout.Episode([1], list(r), "", 0, True, reward=TREE_REWARD[r], step_starts=[0, 1])
+                   for r, _ in responses]
+            vine.mc_values(None, eps, None, k, sampling, **options)
+            ep = eps[0]
+            advantages = vine.step_advantages(ep.step_values, ep.reward, ep.step_counts)
+            own = [(n * v + ep.reward) / (n + 1) for v, n in zip(ep.step_values, ep.step_counts or [k] * 2)]
+            wrong = vine.step_advantages(own, ep.reward)  # the response in the baseline of its own steps
+            for i in range(2):
+                key = (i, tuple(ep.response_ids[: i + 1]))
+                sums[key][0] += weight * advantages[i]
+                sums[key][1] += weight * wrong[i]
+                weights[key] += weight
+    return {key: (a / weights[key], b / weights[key]) for key, (a, b) in sums.items()}
+
+
+@pytest.mark.parametrize("k, group, options", [(1, 1, {}), (2, 1, dict(reuse=True)), (1, 2, dict(reuse=True)),
+                                               (2, 2, dict(reuse=True, top_up=True))])
+def test_reused_responses_keep_the_advantage_unbiased(monkeypatch, k, group, options):
+    result = expected_advantages(monkeypatch, k, group, **options)
+    assert len(result) == 6  # A_0 after 3 or 4, A_1 after each of the four paths
+    for (i, taken), (mean, wrong) in result.items():
+        state = (1,) + taken[:i]
+        q = true_value(state + taken[i:])  # Q(s_i, a_i) = V(s_{i+1}); V(s_2) = the path's reward
+        assert mean == pytest.approx(q - true_value(state), abs=1e-12), (i, taken)
+        if options and i == 1:  # the response in its own baseline: E[A_1] shrinks by n / (n + 1)
+            assert abs(wrong - (q - true_value(state))) > 0.05, (i, taken)
+
+
+def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
+    calls = []
+
+    def fake_sample(model, prefixes, n, budgets, sampling, **kw):  # prefix [1, 3, ...]: right iff it ends in 3
+        calls.append((len(prefixes), n))
+        return [[[3 if p[-1] == 3 or j % 2 else 4] for j in range(n)] for p in prefixes], \
+            [[True] * n for _ in prefixes]
+
+    monkeypatch.setattr(rollout, "sample", fake_sample)
+    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: float(ids[-1] == 3))
+    sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=2, pad_id=0)
+    eps = [rollout.Episode([1], [3, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1]),
+           rollout.Episode([1], [4, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1])]
+    counts = vine.mc_values(None, eps, None, 3, sampling, max_k=9, increment=2, ci_width=0.05)
+    # round 1: 3 states x 3; [1, 3] agrees and stops; [1] and [1, 4] are mixed, straight to 9: one call
+    assert calls == [(3, 3), (2, 6)] and counts["mc_rollouts"] == 3 + 9 + 9 and counts["mc_states"] == 3
+    assert eps[0].step_values == [4 / 9, 1.0] and eps[1].step_values == [4 / 9, 4 / 9] and eps[0].step_counts == []
+    calls.clear()
+    counts = vine.mc_values(None, eps, None, 3, sampling, reuse=True, top_up=True)
+    # the prompt has one other response through it: 2 continuations; [1, 3] and [1, 4]: none, so 3 each
+    assert sorted(calls) == [(1, 2), (2, 3)] and counts["mc_rollouts"] == 8
+    assert eps[0].step_counts == [3, 3] and eps[0].step_values == [(1 + 1) / 3, 1.0]  # [1]: 4, 3 and ep 1's R
+    with pytest.raises(ValueError):
+        vine.mc_values(None, eps, None, 3, sampling, top_up=True)
 
 
 # ---- rollouts and forking -----------------------------------------------------------------
@@ -641,6 +794,14 @@ def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
     assert model.config.vocab_size == len(tok) and not (tmp_path / "checkpoint.tmp").exists()
 
 
+def test_adaptive_mc_with_reused_responses_runs(tmp_path):
+    r = run_train("--out", str(tmp_path), *SMALL, "--mc-max-rollouts", "6", "--mc-increment", "2", "--mc-reuse")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][1:]
+    for row in rows:  # 2 continuations per state first, then 4 more where they disagree
+        assert 2 * row["mc_states"] <= row["mc_rollouts"] <= 6 * row["mc_states"] and row["mc_tokens"] > 0
+
+
 @pytest.mark.parametrize("algo", ["ppo", "tppo", "grpo"])
 def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
     warmup = ["--critic-warmup", "1", "--lam", "0.9"] if algo == "tppo" else []
@@ -805,6 +966,10 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
     (["--value-head", "mlp", "--algo", "ppo"], "--value-head 'mlp': expected one of , scalar, tracking, bce"),
     (["--algo", "a2c"], "--algo 'a2c': expected one of vineppo, ppo, tppo, grpo"),
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+    (["--mc-max-rollouts", "3"], "--mc-max-rollouts 3: below --mc-rollouts 4 (round 1)"),
+    (["--mc-top-up"], "--mc-top-up counts the responses as continuations: it needs --mc-reuse"),
+    (["--mc-top-up", "--mc-reuse", "--mc-max-rollouts", "30"], "not --mc-max-rollouts"),
+    (["--mc-ci-width", "0"], "--mc-ci-width 0.0: expected > 0"),
 ])
 def test_bad_setting_gives_one_line_error(capsys, args, message):
     """Every setting is checked once, right after parsing: exit status 2 and one line, no traceback."""

@@ -74,6 +74,14 @@ class Config:
     mc_rollouts: int = arg(9, "K: continuations per state for the MC value", at_least(1))
     max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); later: the return; 0: all",
                                 at_least(0))
+    mc_max_rollouts: int = arg(0, "adaptive MC values (the reference's: 30): --mc-rollouts first, then more "
+                                  "while V_hat's 95% interval is wider than --mc-ci-width, up to this; 0: off",
+                               at_least(0))
+    mc_increment: int = arg(4, "adaptive MC values: continuations added per round", at_least(1))
+    mc_ci_width: float = arg(0.05, "adaptive MC values: the width of V_hat's 95% interval that is enough",
+                             above(0))
+    mc_reuse: bool = arg(False, "each response is one more continuation of the states it passes (unbiased)")
+    mc_top_up: bool = arg(False, "with --mc-reuse: a state gets K minus the other responses through it")
     value_head: str = arg("", "ppo/tppo critic head: scalar | tracking | bce (default: scalar, tppo: tracking)",
                           one_of("", *value.HEADS))
     critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)", at_least(0))
@@ -161,7 +169,9 @@ def main(cfg: Config):
                 watch.lap("time_logprobs")
                 if cfg.algo == "vineppo":
                     mc_counts += vine.mc_values(policy.model, batch, cache, cfg.mc_rollouts, sampling,
-                                                cfg.max_value_states)
+                                                cfg.max_value_states, max_k=cfg.mc_max_rollouts,
+                                                increment=cfg.mc_increment, ci_width=cfg.mc_ci_width,
+                                                reuse=cfg.mc_reuse, top_up=cfg.mc_top_up)
                     watch.lap("time_mc_values")
                 del cache  # before the next batch's forward pass allocates its own
         if critic is not None:  # 5. PPO, TPPO: the critic's V(s_t) before each token
@@ -244,6 +254,10 @@ def parse_args(argv=None) -> Config:
         p.error("--resume and --overwrite: pick one (--resume continues the run, --overwrite replaces it)")
     if not cfg.arith_traps and int(cfg.arith_steps.split("-")[1]) > 8:  # totals 0-9 without wrapping
         p.error(f"--arith-steps {cfg.arith_steps}: at most 8 steps without --arith-traps")
+    if 0 < cfg.mc_max_rollouts < cfg.mc_rollouts:
+        p.error(f"--mc-max-rollouts {cfg.mc_max_rollouts}: below --mc-rollouts {cfg.mc_rollouts} (round 1)")
+    if cfg.mc_top_up and (not cfg.mc_reuse or cfg.mc_max_rollouts):
+        p.error("--mc-top-up counts the responses as continuations: it needs --mc-reuse, not --mc-max-rollouts")
     if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
         p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
@@ -272,7 +286,8 @@ def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict,
     n_tokens = sum(len(ep.response_ids) for ep in episodes)
     counts = {k: stats.pop(k) for k in ("skipped_batches", "nonfinite_skips")}
     counts.update(prompts=len({ep.group for ep in episodes}), episodes=len(episodes),
-                  mc_states=mc_counts["mc_states"], tokens_generated=n_tokens + mc_counts["mc_tokens"])
+                  mc_states=mc_counts["mc_states"], mc_rollouts=mc_counts["mc_rollouts"],
+                  mc_tokens=mc_counts["mc_tokens"], tokens_generated=n_tokens + mc_counts["mc_tokens"])
     means = {"train_reward": sum(ep.reward for ep in episodes) / len(episodes), **stats,
              "response_tokens": n_tokens / len(episodes), "lr": policy.scheduler.get_last_lr()[0],
              **diagnostics}

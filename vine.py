@@ -25,39 +25,105 @@ def split_steps(episodes: list[rollout.Episode], tok):
 
 
 def mc_values(model, episodes: list[rollout.Episode], cache, k: int, sampling: rollout.Sampling,
-              max_states: int = 0) -> Counter:
+              max_states: int = 0, *, max_k: int = 0, increment: int = 4, ci_width: float = 0.05,
+              reuse: bool = False, top_up: bool = False) -> Counter:
     """ep.step_values[i] = V_hat(s_i): the mean reward of k continuations of each of the first max_states
     states (0: all), forked from `cache` (row e holds episodes[e], as rollout.old_logprobs leaves it); each
-    distinct state once, graded with its prefix (reference pitfall 4). -> counts of states and tokens."""
-    unique = {}  # state tokens -> (episode, boundary)
+    distinct state once, graded with its prefix (reference pitfall 4). -> counts of states, continuations,
+    tokens. The ways to spend fewer continuations, all off by default (the paper's fixed K):
+    max_k > 0   adaptive, as the reference's ciAwre_10ir_4nr_ci0.05 config: k first, then `increment` more
+                while the 95% interval of the mean is wider than ci_width, up to max_k (more_rollouts);
+    reuse       each sampled response is one more continuation of every state it passes through: it joins
+                those states' values, except as the baseline of its own steps (ep.step_counts, see
+                step_advantages), so the advantage stays unbiased;
+    top_up      (with reuse) a state gets only the continuations that bring its baselines to k samples:
+                k minus the other responses through it (0 for the prompt of a group of k + 1 or more)."""
+    if top_up and (max_k or not reuse):
+        raise ValueError("top_up needs reuse, and counts the responses as continuations: not with max_k")
+    states = {}  # state tokens -> (episode, boundary): each distinct state once
     for e, ep in enumerate(episodes):
         for b in ep.step_starts[:max_states or None]:
-            unique.setdefault(tuple(ep.prompt_ids + ep.response_ids[:b]), (e, b))
-    keys = list(unique)
-    budgets = [sampling.max_new_tokens - unique[key][1] for key in keys]
-    conts, finished = rollout.sample(model, [list(key) for key in keys], k, budgets, sampling, cache=cache,
-                                     rows=[unique[key][0] for key in keys])
-    value = {}
-    for key, cs, fs in zip(keys, conts, finished):
-        e, b = unique[key]
-        ep = episodes[e]
-        value[key] = sum(rollout.grade(ep, ep.response_ids[:b] + c, sampling.tokenizer) if f else 0.0
-                         for c, f in zip(cs, fs)) / k
+            states.setdefault(tuple(ep.prompt_ids + ep.response_ids[:b]), (e, b))
+    through = responses_through(states, episodes) if reuse else {}
+    wanted = {key: max(0, k - len(through[key]) + 1) if top_up else k for key in states}
+    more = (lambda rewards: more_rollouts(rewards, increment, max_k, ci_width)) if max_k else None
+    rewards, tokens = continuation_rewards(model, episodes, cache, states, wanted, sampling, more)
     capped = lambda i: max_states and i >= max_states  # max_states 0: no cap
-    for ep in episodes:
-        ep.step_values = [None if capped(i) else value.get(tuple(ep.prompt_ids + ep.response_ids[:b]))
-                          for i, b in enumerate(ep.step_starts)]
-    return Counter(mc_states=len(keys), mc_tokens=sum(len(c) for cs in conts for c in cs))
+    for e, ep in enumerate(episodes):
+        keys = [None if capped(i) else tuple(ep.prompt_ids + ep.response_ids[:b])
+                for i, b in enumerate(ep.step_starts)]
+        others = lambda key: [episodes[o].reward for o in through.get(key, ()) if o != e]
+        pools = [None if key is None else rewards[key] + others(key)  # the samples of this episode's
+                 for key in keys]                                     # baseline V_hat(s_i)
+        ep.step_values = [None if pool is None else sum(pool) / len(pool) for pool in pools]
+        ep.step_counts = [None if pool is None else len(pool) for pool in pools] if reuse else []
+    return Counter(mc_states=len(states), mc_rollouts=sum(map(len, rewards.values())), mc_tokens=tokens)
 
 
-def step_advantages(values: list[float], reward: float) -> list[float]:
-    """A_i = r_i + V(s_{i+1}) - V(s_i) (VinePPO §4); a None value (past the cap) takes the realised return."""
+def more_rollouts(rewards: list[float], increment: int, max_k: int, ci_width: float) -> int:
+    """How many more continuations a state gets by the reference's rule (treetune's
+    ConfidenceIntervalAwareEfficientIIDExpander): `increment` at a time while n < max_k and the 95% interval
+    of the mean p of n rewards in [0, 1], 2 * 1.96 * sqrt(p (1 - p) / n), is wider than ci_width. Rounds
+    after which no outcome could stop are taken at once (the same counts, fewer generate calls).
+    Sequential stopping biases the mean toward the ends: a state stops early only when its first rewards
+    agree. With the reference's 10, +4, 30, 0.05 the expected V_hat of a state of value 0.9 is 0.923 and of
+    0.1 is 0.077 (0.5: unbiased); test_vine enumerates it exactly."""
+    width = lambda total, n: 2 * 1.96 * (max(0.0, total / n * (1 - total / n)) / n) ** 0.5
+    n, total = len(rewards), sum(rewards)
+    if n >= max_k or width(total, n) <= ci_width:
+        return 0
+    m = n + increment
+    # p (1 - p) is concave in the new total, in [total, total + m - n]: its least width is at an end
+    while m < max_k and min(width(total, m), width(total + m - n, m)) > ci_width:
+        m += increment
+    return m - n
+
+
+def responses_through(states: dict, episodes: list[rollout.Episode]) -> dict:
+    """State tokens -> the episodes (of its prompt) whose prompt + response begins with them: a response
+    through a state is a continuation of it sampled by the policy, whatever came after."""
+    seqs = [tuple(ep.prompt_ids + ep.response_ids) for ep in episodes]
+    return {key: [o for o, other in enumerate(episodes) if other.group == episodes[e].group
+                  and seqs[o][:len(key)] == key] for key, (e, _) in states.items()}
+
+
+def continuation_rewards(model, episodes, cache, states: dict, wanted: dict, sampling, more=None):
+    """({state: rewards of its continuations}, tokens): wanted[state] continuations of each, then while
+    more(rewards) > 0 that many more; every round one batched `sample` call per distinct count."""
+    rewards, tokens = {key: [] for key in states}, 0
+    todo = {key: n for key, n in wanted.items() if n > 0}
+    while todo:
+        for n in sorted(set(todo.values()), reverse=True):
+            keys = [key for key in todo if todo[key] == n]
+            budgets = [sampling.max_new_tokens - states[key][1] for key in keys]
+            conts, finished = rollout.sample(model, [list(key) for key in keys], n, budgets, sampling,
+                                             cache=cache, rows=[states[key][0] for key in keys])
+            for key, cs, fs in zip(keys, conts, finished):
+                e, b = states[key]
+                ep = episodes[e]
+                rewards[key] += [rollout.grade(ep, ep.response_ids[:b] + c, sampling.tokenizer) if f else 0.0
+                                 for c, f in zip(cs, fs)]
+                tokens += sum(map(len, cs))
+        todo = {key: more(rewards[key]) for key in todo} if more else {}
+        todo = {key: n for key, n in todo.items() if n > 0}
+    return rewards, tokens
+
+
+def step_advantages(values: list[float], reward: float, counts: list[int] | None = None) -> list[float]:
+    """A_i = r_i + V(s_{i+1}) - V(s_i) (VinePPO §4); a None value (past the cap) takes the realised return.
+    counts (reuse): the samples behind each V(s_i). The response is one more continuation of s_{i+1}, so it
+    joins V(s_{i+1}) in A_i, (n V + R) / (n + 1): E[A_i | s_i, a_i] = Q(s_i, a_i) - V(s_i) still. Never V(s_i),
+    the baseline of the step whose action it continues: that would shrink E[A_i] by n / (n + 1)."""
     n, v = len(values), list(values) + [0.0]
     r = [0.0] * (n - 1) + [reward]  # r_i = R * [i = n-1]
     for i in reversed(range(n)):
         if v[i] is None:
             v[i] = r[i] + v[i + 1]
-    return [r[i] + v[i + 1] - v[i] for i in range(n)]
+    nxt = v[1:]  # V(s_{i+1}) in A_i
+    if counts:
+        joined = lambda i: (counts[i] * v[i] + reward) / (counts[i] + 1) if values[i] is not None else v[i]
+        nxt = [joined(i + 1) for i in range(n - 1)] + [0.0]
+    return [r[i] + nxt[i] - v[i] for i in range(n)]
 
 
 def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) -> list[float]:
@@ -67,8 +133,8 @@ def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) ->
 
 def episode_advantages(ep: rollout.Episode) -> torch.Tensor:
     """[T]: each step's A_i on every token of the step (the KL term lives in the loss)."""
-    return torch.tensor(token_advantages(ep.step_starts, step_advantages(ep.step_values, ep.reward),
-                                         len(ep.response_ids)))
+    step_adv = step_advantages(ep.step_values, ep.reward, ep.step_counts)
+    return torch.tensor(token_advantages(ep.step_starts, step_adv, len(ep.response_ids)))
 
 
 # ---- engineering: steps found in the text, mapped to tokens (skip on a first reading) --------------------
