@@ -66,9 +66,9 @@ def summarize(curves: dict) -> dict:
             for algo, runs in curves.items()}
 
 
-def lead(summary: dict, other: str, key: str) -> tuple[float, float]:
-    """VinePPO's lead over `other` in summary[..][key] (final or at_budget), ± the standard errors combined."""
-    (v, v_se), (o, o_se) = summary["vineppo"][key], summary[other][key]
+def lead(summary: dict, mine: str, other: str, key: str) -> tuple[float, float]:
+    """`mine`'s lead over `other` in summary[..][key] (final or at_budget), ± the standard errors combined."""
+    (v, v_se), (o, o_se) = summary[mine][key], summary[other][key]
     return v - o, (v_se ** 2 + o_se ** 2) ** 0.5
 
 
@@ -87,11 +87,14 @@ def report(results: dict, metric: str):
             print(f"{algo:8} {cell(s['start']):>12} {cell(s['final']):>12} {s['seconds']:>8.0f} "
                   f"{cell(s['at_budget']):>16}  (at {s['budget']:.0f} s)")
     first, last = list(results)[0], list(results)[-1]
-    for other in [a for a in results[first] if a != "vineppo" and "vineppo" in results[first]]:
+    methods = list(results[first])
+    vine = [m for m in methods if m.startswith("vineppo")]  # VinePPO and its variant (--variant)
+    pairs = [(m, o) for i, m in enumerate(vine) for o in methods if o != m and o not in vine[:i]]
+    for mine, other in pairs:
         for key, words in (("final", "at equal iterations"), ("at_budget", "at equal wall-clock")):
-            leads = {chains: lead(summary, other, key) for chains, summary in results.items()}
+            leads = {chains: lead(summary, mine, other, key) for chains, summary in results.items()}
             growth = (leads[last][0] - leads[first][0], (leads[last][1] ** 2 + leads[first][1] ** 2) ** 0.5)
-            print(f"{metric}: VinePPO's lead over {other} {words}: "
+            print(f"{metric}: {mine}'s lead over {other} {words}: "
                   + ", ".join(f"{c}: {cell(m_se)} ({verdict(m_se)})" for c, m_se in leads.items())
                   + (f"; growth {cell(growth)} ({verdict(growth)})" if first != last else ""))
 
@@ -135,14 +138,21 @@ def main():
     p.add_argument("--traps", default="0-2", help="--arith-traps of every run ('': the plain task)")
     p.add_argument("--slip", type=float, default=0.7, help="--arith-slip of the SFT demonstrations")
     p.add_argument("--algos", default="vineppo,grpo,ppo")
+    p.add_argument("--variant", default="", help="NAME=FLAGS: one more method, vineppo with these train.py "
+                   "flags, e.g. 'vineppo-reuse=--mc-reuse --mc-top-up' (NAME starts with vineppo)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
     p.add_argument("--iterations", type=int, default=12)
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--eval-problems", type=int, default=200, help="held-out problems per evaluation")
     p.add_argument("--jobs", type=int, default=2, help="chain lengths run side by side, one torch thread each")
     args = p.parse_args()
-    seeds, algos, chain_lengths = [int(s) for s in args.seeds.split(",")], args.algos.split(","), \
-        args.chains.split(",")
+    seeds, chain_lengths = [int(s) for s in args.seeds.split(",")], args.chains.split(",")
+    methods = {algo: ["--algo", algo] for algo in args.algos.split(",")}  # name -> its train.py flags
+    if args.variant:
+        name, flags = args.variant.split("=", 1)
+        if not name.startswith("vineppo"):
+            p.error(f"--variant {args.variant!r}: expected NAME=FLAGS with NAME starting with vineppo")
+        methods[name] = ["--algo", "vineppo", *flags.split()]
     if args.jobs > 1 and len(chain_lengths) > 1:  # one process per chain length; then report from their runs
         os.makedirs(args.out, exist_ok=True)
         logs = [open(os.path.join(args.out, f"chains{c}.log"), "w") for c in chain_lengths]
@@ -161,13 +171,13 @@ def main():
         run(os.path.join(base, "sft"), "--iterations", "0", *as_flags(task))  # the demo's SFT, once
         settings = {**train.DEMO, **task, "iterations": args.iterations, "sft_steps": 0,
                     "eval_every": args.eval_every, "eval_problems": args.eval_problems}
-        runs = {algo: [] for algo in algos}
+        runs = {name: [] for name in methods}
         for seed in seeds:  # methods interleaved, so a machine's changing load touches all of them alike
-            for algo in algos:
-                out = os.path.join(base, f"{algo}-seed{seed}")
-                run(out, "--model", os.path.join(base, "sft", "checkpoint"), "--algo", algo, "--seed", str(seed),
+            for name, flags in methods.items():
+                out = os.path.join(base, f"{name}-seed{seed}")
+                run(out, "--model", os.path.join(base, "sft", "checkpoint"), *flags, "--seed", str(seed),
                     *as_flags(settings))
-                runs[algo].append(out)
+                runs[name].append(out)
         for metric in METRICS:
             curves[metric][chains] = {algo: [curve(out, metric) for out in outs] for algo, outs in runs.items()}
     for metric, by_chains in curves.items():

@@ -3,6 +3,7 @@
     python diagnose.py --checkpoint out/checkpoint                  # the built-in task, CPU
     python diagnose.py --checkpoint runs/rho/checkpoint --data gsm8k --gt-rollouts 256
     python diagnose.py --trace --checkpoint out/checkpoint          # one wrong answer, step by step
+    python diagnose.py --mc-settings --checkpoint out/checkpoint    # the cheaper MC settings, side by side
 
 For held-out trajectories of the checkpoint's policy, every state s_i (prompt, then each step
 boundary) gets a ground-truth value from --gt-rollouts continuations, and is estimated by:
@@ -21,8 +22,18 @@ them), V_hat(s_i) of each state from --trace-k continuations with its standard e
 A_i, GRPO's group-normalised advantage (the same on every step) and a critic's V(s_i) with the
 mean of the GAE (lambda = 1) advantages R - V(s_t) over the step's tokens, all before the
 update's whitening. Rows go to OUT/trace.json; OUT/trace.png when matplotlib exists.
+
+--mc-settings: what each way of spending MC continuations (vine.mc_values' options) buys, on one
+batch shaped like training's (--trajectories problems x --group samples, the states deduplicated as
+training does). Every distinct state gets a ground truth from --gt-rollouts continuations; then each
+setting (fixed K = --mc-k, K/2 and 2K; adaptive; reuse; reuse with top-up) estimates the values,
+--repeats times with fresh samples, and is reported with its continuations per state, MC tokens, seconds
+of vine.mc_values, value MAE (each episode's V_hat(s_i), as its baseline, against the truth) and
+advantage MAE (its A_i against r_i + V(s_{i+1}) - V(s_i) of the truth). Last: the setting with the
+fewest MC tokens whose value MAE is within 0.02 of fixed K's. Rows go to OUT/mc_settings.json.
 """
 import argparse
+import collections
 import copy
 import itertools
 import json
@@ -31,6 +42,7 @@ import os
 import random
 import statistics
 import sys
+import time
 
 import torch
 
@@ -119,6 +131,9 @@ def parse_args(argv=None):
     p.add_argument("--tries", type=int, default=50, help="--trace: held-out problems tried for a wrong answer")
     p.add_argument("--critic-checkpoint", default=None,
                    help="--trace: a ppo/tppo checkpoint whose critic is shown (default: --checkpoint's)")
+    p.add_argument("--mc-settings", action="store_true", help="compare MC settings' cost and accuracy (above)")
+    p.add_argument("--mc-k", type=int, default=4, help="--mc-settings: K of fixed K (the demo's 4)")
+    p.add_argument("--repeats", type=int, default=2, help="--mc-settings: estimates per setting")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -138,6 +153,8 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     if a.trace:
         trace(a, tok, policy, sampling, problems, out)
+    elif a.mc_settings:
+        mc_settings(a, tok, policy, sampling, random.Random(a.seed).sample(problems, a.trajectories), out)
     else:
         value_accuracy(a, tok, policy, sampling, random.Random(a.seed).sample(problems, a.trajectories), out)
 
@@ -206,6 +223,67 @@ def value_accuracy(a, tok, policy, sampling, problems, out):
         ax.plot([0, 1], [0, 1], "k--", lw=1)
         ax.set(title=name, xlabel="ground truth", ylabel="estimate")
     fig.savefig(os.path.join(out, "diagnose.png"), dpi=100, bbox_inches="tight")
+
+
+# ---- --mc-settings: what each way of spending MC continuations buys -------------------------------------
+
+def settings_to_compare(k: int) -> dict:
+    """name -> vine.mc_values options, built around fixed K = k."""
+    half = max(1, k // 2)
+    return {f"fixed K={k}": dict(k=k), f"fixed K={half}": dict(k=half), f"fixed K={2 * k}": dict(k=2 * k),
+            f"adaptive {half},+{half},<={2 * k}": dict(k=half, max_k=2 * k, increment=half),
+            f"adaptive {k},+{k},<={3 * k}": dict(k=k, max_k=3 * k, increment=k),
+            f"reuse K={k}": dict(k=k, reuse=True), f"reuse+top-up K={k}": dict(k=k, reuse=True, top_up=True),
+            f"reuse+top-up K={2 * k}": dict(k=2 * k, reuse=True, top_up=True),
+            f"adaptive {half},+{half},<={2 * k} + reuse": dict(k=half, max_k=2 * k, increment=half, reuse=True)}
+
+
+def mc_settings(a, tok, policy, sampling, problems, out):
+    torch.manual_seed(a.seed)
+    batch = [{**p, "prompt_ids": encode_prompt(tok, p["prompt"])} for p in problems]
+    episodes = rollout.sample_episodes(policy, batch, a.group, sampling)
+    vine.split_steps(episodes, tok)
+    key = lambda ep, b: tuple(ep.prompt_ids + ep.response_ids[:b])
+    states = {}
+    for e, ep in enumerate(episodes):
+        for b in ep.step_starts:
+            states.setdefault(key(ep, b), (e, b))
+    truth = vine.continuation_rewards(policy, episodes, None, states, dict.fromkeys(states, a.gt_rollouts),
+                                      sampling)[0]
+    truth = {state: sum(r) / len(r) for state, r in truth.items()}
+    true_values = [[truth[key(ep, b)] for b in ep.step_starts] for ep in episodes]
+    true_advantages = [vine.step_advantages(v, ep.reward) for v, ep in zip(true_values, episodes)]
+    print(f"{len(episodes)} episodes of {len(problems)} problems, {len(states)} distinct states, ground truth "
+          f"from {a.gt_rollouts} continuations each; {a.repeats} estimates per setting")
+    print(f"{'setting':28} {'per state':>9} {'MC tokens':>10} {'seconds':>8} {'value MAE':>10} {'adv. MAE':>9}")
+    rows = {}
+    for name, options in settings_to_compare(a.mc_k).items():
+        runs = []
+        for repeat in range(a.repeats):
+            torch.manual_seed(a.seed + 1 + repeat)
+            counts, seconds = collections.Counter(), 0.0
+            for chunk in rollout.group_chunks(episodes, 32768):
+                cache = rollout.old_logprobs(policy, chunk, sampling.temperature, sampling.pad_id, keep_cache=True)
+                began = time.perf_counter()
+                counts += vine.mc_values(policy, chunk, cache, sampling=sampling, **options)
+                seconds += time.perf_counter() - began
+            errors = [(abs(v - t), abs(adv - true_adv))
+                      for ep, tv, ta in zip(episodes, true_values, true_advantages)
+                      for v, t, adv, true_adv in zip(ep.step_values, tv, vine.step_advantages(
+                          ep.step_values, ep.reward, ep.step_counts), ta)]
+            runs.append([counts["mc_rollouts"] / counts["mc_states"], counts["mc_tokens"], seconds,
+                         *map(statistics.mean, zip(*errors))])
+        rows[name] = dict(zip(("per_state", "mc_tokens", "seconds", "value_mae", "advantage_mae"),
+                              map(statistics.mean, zip(*runs))), options=options)
+        r = rows[name]
+        print(f"{name:28} {r['per_state']:9.2f} {r['mc_tokens']:10.0f} {r['seconds']:8.2f} {r['value_mae']:10.4f} "
+              f"{r['advantage_mae']:9.4f}")
+    fixed = rows[f"fixed K={a.mc_k}"]["value_mae"]
+    cheapest = min((r["mc_tokens"], name) for name, r in rows.items() if r["value_mae"] <= fixed + 0.02)[1]
+    print(f"fewest MC tokens with a value MAE within 0.02 of fixed K={a.mc_k}'s ({fixed:.4f}): {cheapest}")
+    with open(os.path.join(out, "mc_settings.json"), "w") as f:
+        json.dump({"settings": rows, "cheapest_within_0.02": cheapest, "states": len(states),
+                   "episodes": len(episodes), "gt_rollouts": a.gt_rollouts}, f, indent=1)
 
 
 # ---- --trace: the credit each method gives the steps of one wrong answer -----------------------

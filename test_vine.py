@@ -714,14 +714,19 @@ def test_compare_summary_hand_example(tmp_path, capsys):
     assert summary["slow"]["at_budget"] == pytest.approx((0.5, 0.0))  # by 11 s only its start was evaluated
     assert summary["fast"]["at_budget"] == (0.6, 0.0)
     renamed = {"vineppo": summary["slow"], "grpo": summary["fast"]}
-    assert compare.lead(renamed, "grpo", "final") == pytest.approx((0.2, 0.1))  # s.e.s combined: sqrt(.1² + 0²)
-    assert compare.lead(renamed, "grpo", "at_budget") == pytest.approx((-0.1, 0.0))
+    assert compare.lead(renamed, "vineppo", "grpo", "final") == pytest.approx((0.2, 0.1))  # sqrt(.1² + 0²)
+    assert compare.lead(renamed, "vineppo", "grpo", "at_budget") == pytest.approx((-0.1, 0.0))
     assert [compare.verdict(m_se) for m_se in ((0.2, 0.1), (0.21, 0.1), (-0.21, 0.1), (-0.1, 0.0))] == \
         ["within noise", "counts", "counts against", "counts against"]  # beyond twice the s.e., not at it
     compare.report({"6-8": renamed, "10-12": renamed}, "greedy accuracy")
     out = capsys.readouterr().out
-    assert "lead over grpo at equal iterations: 6-8: 0.200 ± 0.100 (within noise), 10-12: 0.200 ± 0.100 " \
-        "(within noise); growth 0.000 ± 0.141 (within noise)" in out
+    assert "vineppo's lead over grpo at equal iterations: 6-8: 0.200 ± 0.100 (within noise), 10-12: 0.200 " \
+        "± 0.100 (within noise); growth 0.000 ± 0.141 (within noise)" in out
+    # a variant of VinePPO (--variant): its lead over every method, VinePPO's over it once
+    compare.report({"10-12": {**renamed, "vineppo-reuse": summary["fast"]}}, "greedy accuracy")
+    leads = [line.split(" at equal")[0] for line in capsys.readouterr().out.splitlines() if "lead" in line]
+    assert leads == ["greedy accuracy: vineppo's lead over grpo"] * 2 + ["greedy accuracy: vineppo's lead over "
+                     "vineppo-reuse"] * 2 + ["greedy accuracy: vineppo-reuse's lead over grpo"] * 2
 
 
 # ---- data errors and end-to-end runs ------------------------------------------------------
