@@ -109,3 +109,21 @@ def test_trace_command_end_to_end(tiny, tmp_path, capsys):
     assert "UNTRAINED" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no critic/ inside"):
         diagnose.main(args + ["--critic-checkpoint", path])
+
+
+def test_mc_settings_command_end_to_end(tiny, tmp_path, capsys):
+    """diagnose.py --mc-settings: every setting measured on one batch; fixed K spends exactly K per state,
+    top-up at most K; the named setting is the cheapest within 0.02 of fixed K's value MAE."""
+    path, _, _ = tiny
+    torch.manual_seed(0)
+    diagnose.main(["--mc-settings", "--checkpoint", path, "--out", str(tmp_path), "--trajectories", "2",
+                   "--group", "3", "--gt-rollouts", "4", "--repeats", "1", "--max-new-tokens", "12"])
+    result = json.load(open(tmp_path / "mc_settings.json"))
+    rows = result["settings"]
+    assert set(rows) == set(diagnose.settings_to_compare(4)) and result["episodes"] == 6
+    assert [rows[f"fixed K={k}"]["per_state"] for k in (2, 4, 8)] == [2, 4, 8]
+    assert rows["reuse+top-up K=4"]["per_state"] <= 4 and rows["reuse K=4"]["per_state"] == 4
+    fixed = rows["fixed K=4"]["value_mae"]
+    within = {n: r["mc_tokens"] for n, r in rows.items() if r["value_mae"] <= fixed + 0.02}
+    assert result["cheapest_within_0.02"] == min((tokens, n) for n, tokens in within.items())[1]  # ties: by name
+    assert result["cheapest_within_0.02"] in capsys.readouterr().out

@@ -4,9 +4,12 @@ of a response, K more continuations; every token of step i takes A_i (the KL ter
     V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)                        (unbiased MC value)
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),  r_i = R * [i = n-1],  V(s_n) = 0  (gamma = 1)
 
+Cheaper, each optional (mc_values): adaptive K (the reference's rule); reuse, the response R as one more
+sample of V(s_{i+1}) in A_i, never of V(s_i): A_i = r_i + (n V_hat(s_{i+1}) + R) / (n + 1) - V_hat(s_i).
+
 Needs: rollout.py (Episode, Sampling, sample: the forks), math_grader.py (where MATH's steps are cut).
-Algorithm: split_steps, mc_values, step_advantages, episode_advantages; the text-to-token mapping after the
-engineering line is what a first reading may skip.
+Algorithm: split_steps, mc_values, step_advantages, episode_advantages (more_rollouts, responses_through and
+continuation_rewards serve mc_values); the text-to-token mapping after the engineering line may be skipped.
 """
 from bisect import bisect_right
 from collections import Counter
