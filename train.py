@@ -75,10 +75,10 @@ class Config:
     max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); later: the return; 0: all",
                                 at_least(0))
     mc_max_rollouts: int = arg(0, "adaptive MC values (the reference's: 30): --mc-rollouts first, then more "
-                                  "while V_hat's 95% interval is wider than --mc-ci-width, up to this; 0: off",
+                                  "while V_hat's 95-percent interval > --mc-ci-width, up to this; 0: off",
                                at_least(0))
     mc_increment: int = arg(4, "adaptive MC values: continuations added per round", at_least(1))
-    mc_ci_width: float = arg(0.05, "adaptive MC values: the width of V_hat's 95% interval that is enough",
+    mc_ci_width: float = arg(0.05, "adaptive MC values: a width of V_hat's 95-percent interval that is enough",
                              above(0))
     mc_reuse: bool = arg(False, "each response is one more continuation of the states it passes (unbiased)")
     mc_top_up: bool = arg(False, "with --mc-reuse: a state gets K minus the other responses through it")
