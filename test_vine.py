@@ -273,8 +273,8 @@ def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
     calls.clear()
     counts = vine.mc_values(None, eps, None, 3, sampling, reuse=True, top_up=True)
     # the prompt has one other response through it: 2 continuations; [1, 3] and [1, 4]: none, so 3 each
-    assert sorted(calls) == [(1, 2), (2, 3)] and counts["mc_rollouts"] == 8
-    assert eps[0].step_counts == [3, 3] and eps[0].step_values == [(1 + 1) / 3, 1.0]  # [1]: 4, 3 and ep 1's R
+    assert calls == [(8, 1)] and counts["mc_rollouts"] == 8  # one call: a row per continuation
+    assert eps[0].step_counts == [3, 3] and eps[0].step_values == [1 / 3, 1.0]  # [1]: 4, 4 and ep 1's R
     with pytest.raises(ValueError):
         vine.mc_values(None, eps, None, 3, sampling, top_up=True)
 

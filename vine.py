@@ -92,21 +92,22 @@ def responses_through(states: dict, episodes: list[rollout.Episode]) -> dict:
 
 def continuation_rewards(model, episodes, cache, states: dict, wanted: dict, sampling, more=None):
     """({state: rewards of its continuations}, tokens): wanted[state] continuations of each, then while
-    more(rewards) > 0 that many more; every round one batched `sample` call per distinct count."""
+    more(rewards) > 0 that many more; every round one batched `sample` call (n rows per state when all
+    want n, else a state once per continuation it wants)."""
     rewards, tokens = {key: [] for key in states}, 0
     todo = {key: n for key, n in wanted.items() if n > 0}
     while todo:
-        for n in sorted(set(todo.values()), reverse=True):
-            keys = [key for key in todo if todo[key] == n]
-            budgets = [sampling.max_new_tokens - states[key][1] for key in keys]
-            conts, finished = rollout.sample(model, [list(key) for key in keys], n, budgets, sampling,
-                                             cache=cache, rows=[states[key][0] for key in keys])
-            for key, cs, fs in zip(keys, conts, finished):
-                e, b = states[key]
-                ep = episodes[e]
-                rewards[key] += [rollout.grade(ep, ep.response_ids[:b] + c, sampling.tokenizer) if f else 0.0
-                                 for c, f in zip(cs, fs)]
-                tokens += sum(map(len, cs))
+        n = next(iter(todo.values())) if len(set(todo.values())) == 1 else 1
+        keys = [key for key, want in todo.items() for _ in range(want // n)]
+        budgets = [sampling.max_new_tokens - states[key][1] for key in keys]
+        conts, finished = rollout.sample(model, [list(key) for key in keys], n, budgets, sampling, cache=cache,
+                                         rows=[states[key][0] for key in keys])
+        for key, cs, fs in zip(keys, conts, finished):
+            e, b = states[key]
+            ep = episodes[e]
+            rewards[key] += [rollout.grade(ep, ep.response_ids[:b] + c, sampling.tokenizer) if f else 0.0
+                             for c, f in zip(cs, fs)]
+            tokens += sum(map(len, cs))
         todo = {key: more(rewards[key]) for key in todo} if more else {}
         todo = {key: n for key, n in todo.items() if n > 0}
     return rewards, tokens
