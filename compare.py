@@ -139,7 +139,7 @@ def main():
     p.add_argument("--slip", type=float, default=0.7, help="--arith-slip of the SFT demonstrations")
     p.add_argument("--algos", default="vineppo,grpo,ppo")
     p.add_argument("--variant", default="", help="NAME=FLAGS: one more method, vineppo with these train.py "
-                   "flags, e.g. 'vineppo-reuse=--mc-reuse --mc-top-up' (NAME starts with vineppo)")
+                   "flags (they override the shared settings), e.g. 'vineppo-reuse=--mc-reuse --mc-top-up'")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
     p.add_argument("--iterations", type=int, default=12)
     p.add_argument("--eval-every", type=int, default=4)
@@ -175,8 +175,8 @@ def main():
         for seed in seeds:  # methods interleaved, so a machine's changing load touches all of them alike
             for name, flags in methods.items():
                 out = os.path.join(base, f"{name}-seed{seed}")
-                run(out, "--model", os.path.join(base, "sft", "checkpoint"), *flags, "--seed", str(seed),
-                    *as_flags(settings))
+                run(out, "--model", os.path.join(base, "sft", "checkpoint"), "--seed", str(seed),
+                    *as_flags(settings), *flags)  # a method's own flags last: they override the shared ones
                 runs[name].append(out)
         for metric in METRICS:
             curves[metric][chains] = {algo: [curve(out, metric) for out in outs] for algo, outs in runs.items()}
