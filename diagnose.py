@@ -244,10 +244,7 @@ def mc_settings(a, tok, policy, sampling, problems, out):
     episodes = rollout.sample_episodes(policy, batch, a.group, sampling)
     vine.split_steps(episodes, tok)
     key = lambda ep, b: tuple(ep.prompt_ids + ep.response_ids[:b])
-    states = {}
-    for e, ep in enumerate(episodes):
-        for b in ep.step_starts:
-            states.setdefault(key(ep, b), (e, b))
+    states = vine.distinct_states(episodes)
     truth = vine.continuation_rewards(policy, episodes, None, states, dict.fromkeys(states, a.gt_rollouts),
                                       sampling)[0]
     truth = {state: sum(r) / len(r) for state, r in truth.items()}
@@ -256,14 +253,17 @@ def mc_settings(a, tok, policy, sampling, problems, out):
     print(f"{len(episodes)} episodes of {len(problems)} problems, {len(states)} distinct states, ground truth "
           f"from {a.gt_rollouts} continuations each; {a.repeats} estimates per setting")
     print(f"{'setting':28} {'per state':>9} {'MC tokens':>10} {'seconds':>8} {'value MAE':>10} {'adv. MAE':>9}")
+    # the log-prob pass's KV cache of each batch, once: forks only read it
+    logprob_pass = lambda chunk: rollout.old_logprobs(policy, chunk, sampling.temperature, sampling.pad_id,
+                                                      keep_cache=True)
+    caches = [(chunk, logprob_pass(chunk)) for chunk in rollout.group_chunks(episodes, 32768)]
     rows = {}
     for name, options in settings_to_compare(a.mc_k).items():
         runs = []
         for repeat in range(a.repeats):
             torch.manual_seed(a.seed + 1 + repeat)
             counts, seconds = collections.Counter(), 0.0
-            for chunk in rollout.group_chunks(episodes, 32768):
-                cache = rollout.old_logprobs(policy, chunk, sampling.temperature, sampling.pad_id, keep_cache=True)
+            for chunk, cache in caches:
                 began = time.perf_counter()
                 counts += vine.mc_values(policy, chunk, cache, sampling=sampling, **options)
                 seconds += time.perf_counter() - began
@@ -276,8 +276,8 @@ def mc_settings(a, tok, policy, sampling, problems, out):
         rows[name] = dict(zip(("per_state", "mc_tokens", "seconds", "value_mae", "advantage_mae"),
                               map(statistics.mean, zip(*runs))), options=options)
         r = rows[name]
-        print(f"{name:28} {r['per_state']:9.2f} {r['mc_tokens']:10.0f} {r['seconds']:8.2f} {r['value_mae']:10.4f} "
-              f"{r['advantage_mae']:9.4f}")
+        print(f"{name:28} {r['per_state']:9.2f} {r['mc_tokens']:10.0f} {r['seconds']:8.2f} "
+              f"{r['value_mae']:10.4f} {r['advantage_mae']:9.4f}")
     fixed = rows[f"fixed K={a.mc_k}"]["value_mae"]
     cheapest = min((r["mc_tokens"], name) for name, r in rows.items() if r["value_mae"] <= fixed + 0.02)[1]
     print(f"fewest MC tokens with a value MAE within 0.02 of fixed K={a.mc_k}'s ({fixed:.4f}): {cheapest}")

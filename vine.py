@@ -43,10 +43,7 @@ def mc_values(model, episodes: list[rollout.Episode], cache, k: int, sampling: r
                 k minus the other responses through it (0 for the prompt of a group of k + 1 or more)."""
     if top_up and (max_k or not reuse):
         raise ValueError("top_up needs reuse, and counts the responses as continuations: not with max_k")
-    states = {}  # state tokens -> (episode, boundary): each distinct state once
-    for e, ep in enumerate(episodes):
-        for b in ep.step_starts[:max_states or None]:
-            states.setdefault(tuple(ep.prompt_ids + ep.response_ids[:b]), (e, b))
+    states = distinct_states(episodes, max_states)
     through = responses_through(states, episodes) if reuse else {}
     wanted = {key: max(0, k - len(through[key]) + 1) if top_up else k for key in states}
     more = (lambda rewards: more_rollouts(rewards, increment, max_k, ci_width)) if max_k else None
@@ -82,12 +79,25 @@ def more_rollouts(rewards: list[float], increment: int, max_k: int, ci_width: fl
     return m - n
 
 
+def distinct_states(episodes: list[rollout.Episode], max_states: int = 0) -> dict:
+    """State tokens (prompt + response up to a step boundary) -> (episode, boundary) of its first holder:
+    each distinct state of the first max_states of every episode (0: all) once."""
+    states = {}
+    for e, ep in enumerate(episodes):
+        for b in ep.step_starts[:max_states or None]:
+            states.setdefault(tuple(ep.prompt_ids + ep.response_ids[:b]), (e, b))
+    return states
+
+
 def responses_through(states: dict, episodes: list[rollout.Episode]) -> dict:
     """State tokens -> the episodes (of its prompt) whose prompt + response begins with them: a response
     through a state is a continuation of it sampled by the policy, whatever came after."""
     seqs = [tuple(ep.prompt_ids + ep.response_ids) for ep in episodes]
-    return {key: [o for o, other in enumerate(episodes) if other.group == episodes[e].group
-                  and seqs[o][:len(key)] == key] for key, (e, _) in states.items()}
+    groups = {}  # group -> its episodes' indices, so a state is matched against its own prompt's only
+    for o, ep in enumerate(episodes):
+        groups.setdefault(ep.group, []).append(o)
+    return {key: [o for o in groups[episodes[e].group] if seqs[o][:len(key)] == key]
+            for key, (e, _) in states.items()}
 
 
 def continuation_rewards(model, episodes, cache, states: dict, wanted: dict, sampling, more=None):
