@@ -169,8 +169,7 @@ def read_jsonl(path: str) -> list[dict]:
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); expected one object per line") from None
         except RecursionError:  # Python's parser recurses: 200,000 '[' are valid JSON it cannot read
-            raise DataError(f"{path}:{i}: JSON nested too deeply to read; expected one object per line") \
-                from None
+            raise DataError(f"{path}:{i}: JSON nested too deeply; expected one object per line") from None
         if not problems:  # the first row's fields choose the format: MATH's problem/solution, or GSM8K's
             check = check_math_problem if isinstance(row, dict) and "problem" in row else check_problem
         problems.append(check(row, f"{path}:{i}"))
@@ -314,14 +313,12 @@ def extracted_answers(text: str) -> list[str]:
     return re.findall(r"-?\d*\.?\d+", text.replace(",", ""))[-1:]
 
 
-def math_answers(text: str, problem: str = "") -> list[str]:
+def math_answers(text: str, problem: str = "", whole: bool = False) -> list:
     """The reference's extract_math_answer: every extracted answer normalized, first line only, and split
-    into several: at commas when the problem asks for a list, at '\\text{ and }', at commas outside brackets."""
-    return [part for parts in answer_lists(text, problem) for part in parts]
-
-
-def answer_lists(text: str, problem: str = "") -> list[list[str]]:
-    return [math_grader.answer_parts(answer, problem) for answer in extracted_answers(text)]
+    into several: at commas when the problem asks for a list, at '\\text{ and }', at commas outside brackets.
+    whole: a list of each answer's parts."""
+    answers = [math_grader.answer_parts(answer, problem) for answer in extracted_answers(text)]
+    return answers if whole else [part for parts in answers for part in parts]
 
 
 @functools.lru_cache(maxsize=20_000)
@@ -332,5 +329,5 @@ def gold_math_answers(solution: str, problem: str) -> tuple[str, ...]:
 def math_reward(completion: str, gold_solution: str, problem: str = "") -> float:
     """1.0 iff the completion's answers match those of the gold solution, extracted the same way (the
     reference's eval_math; `problem` matters only when it asks for a list 'separated by commas')."""
-    return float(math_grader.answers_match(answer_lists(completion, problem),
+    return float(math_grader.answers_match(math_answers(completion, problem, whole=True),
                                            list(gold_math_answers(gold_solution, problem))))
