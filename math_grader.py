@@ -3,13 +3,13 @@ Minerva-style grader, tasks/math_grader_minerva.py, tasks/math_answer_exctractio
 rewritten, with the differences listed in docs/math.md), and where a MATH solution's reasoning steps begin
 (tasks/math_extract_steps_inplace.py). Not needed to read the algorithm: reward.math_reward calls
 `answers_match`, vine.response_step_starts calls `math_step_offsets`. Outside the core's line budget (keep
-it under ~400 lines); needs no sibling.
+it under ~480 lines); needs no sibling.
 
     normalize(answer)           string clean-up: \\dfrac -> \\frac, units, degrees, \\left, spaces, ...
     answer_parts(answer, prob)  an extracted answer normalized, and split where the problem asks for a list
     math_equal(pred, gold)      strings, then close numbers, tuples and intervals, matrices, 'x=5',
                                 then sympy (time-limited; any parser error is 'not equal')
-    answers_match(preds, golds) every prediction matches a gold answer and every gold one a prediction
+    answers_match(answers, golds)  every prediction matches a gold answer and every gold one a prediction
     math_step_offsets(text)     [0, start of step 2, ..., len(text)]: sentences and lines, LaTeX kept whole
 """
 import contextlib
@@ -29,17 +29,25 @@ LATEX_NAMES = {"\\pi": " pi ", "\\infty": " oo ", "\\cdot": "*", "\\times": "*",
 
 # ---- normalisation (the reference's strip_string) ------------------------------------------------
 
+UNIT = r"\\(text|mbox)\{[^{}]*\}(\^\{?[23]\}?)?$"  # '5\text{ cm}', '15\mbox{ cm}^2': dropped
+THOUSANDS = r"-?[1-9]\d{0,2}(,\d{3})+(\.\d+)?%?"  # '11,111,100': a number; '0,1' and '1,00' are lists
+LATEX_TOKEN = re.compile(r"\\[A-Za-z]+|\\?.", re.S)  # a command's name, or one character
+
+
 def normalize(answer: str) -> str:
-    s = str(answer).strip().replace("\n", "").rstrip(".").replace("\\!", "")
+    s = str(answer).strip().replace("\n", "").rstrip(".").replace("\\!", "").replace("{,}", ",")
+    s = re.sub(r"\\(text|mbox)\s+\{", r"\\\1{", s)  # '\text { cm}' is '\text{ cm}'
     if re.match(r"\\(text|mbox)\{", s) and s.endswith("}"):  # the reference deleted a whole \mbox{Saturday}
         s = s[s.index("{") + 1:-1]
     s = re.sub(r"\\[tdc]frac", r"\\frac", s).replace("\\left", "").replace("\\right", "")
-    without_unit = re.sub(r"\\text{.*?}$", "", s).strip()  # '5\text{ cm}' -> '5'
+    without_unit = re.sub(UNIT, "", s).strip()  # the reference's r'\\text{.*?}$', with \mbox and a power
     s = without_unit if without_unit else s
     s = s.replace("^{\\circ}", "").replace("^\\circ", "").strip()
-    s = re.sub(r"\{(c|m)?m\}(\^(2|3))?", "", s).strip()
+    # the reference's units {cm}, {m}^2 and '5 t', here after a text command and a plain number only: it
+    # read \frac{h^2}{m} as \frac{h^2} and \sin^2 t as \sin^2
+    s = re.sub(r"\\(mathrm|text|mbox|rm)\{(c|m)?m\}(\^(2|3))?", "", s).strip()
     s = re.sub(r"p\.m\.$", "", s).strip()
-    s = re.sub(r"(\d)\s*t$", r"\1", s).strip()
+    s = re.sub(r"^(-?[\d.,]+)\s+t$", r"\1", s).strip()
     s = s.replace("\\$", "").replace("$", "").replace("x\\in", "").replace("\\%", "%")
     s = s.replace(" .", " 0.").replace("{.", "{0.")
     s = s.replace("\\cdot", "*")  # the reference deletes it: '2\cdot 3' became '23'
@@ -54,32 +62,71 @@ def normalize(answer: str) -> str:
     s = re.sub(r"(\d+)\.0+$", r"\1", s)
     if s.startswith("."):
         s = "0" + s
-    for command in ("sqrt", "tan"):  # '\sqrt2' -> '\sqrt{2}'
-        s = re.sub(rf"\\{command}(-?[0-9.a-zA-Z]+)", rf"\\{command}{{\1}}", s)
-        s = re.sub(rf"\\{command}\s+(\w+)$", rf"\\{command}{{\1}}", s)
-    s = slash_to_frac(braced_fracs(s.replace(" ", "")))
+    for command in ("sqrt", "tan"):  # '\sqrt2' -> '\sqrt{2}', also '\sqrt 2' inside the answer
+        s = re.sub(rf"\\{command}\s*(-?[0-9.a-zA-Z]+)", rf"\\{command}{{\1}}", s)
+    s = re.sub(r"([_^])\{([0-9A-Za-z])\}(?![0-9A-Za-z.])", r"\1\2", s.replace(" ", ""))  # 1011_{2} -> 1011_2
+    s = re.sub(r"(?<!\\)\{(" + THOUSANDS + r")\}", lambda m: "{" + m[1].replace(",", "") + "}", s)
+    s = slash_to_frac(braced_fracs(s))
     return re.sub(r"(\\|,|\.)+$", "", s)
 
 
 def answer_parts(answer: str, problem: str = "") -> list[str]:
     """An extracted answer's first line, normalized, split at commas when the problem asks for a list
-    ('separated by commas'), else at '\\text{ and }' (reward.math_answers)."""
+    ('separated by commas'), else at '\\text{ and }' and at commas outside brackets (a bare list is a list
+    whatever the problem says; a number with thousands separators is not one) (reward.math_answers)."""
+    return list(parts_of(answer, "separated by commas" in problem))
+
+
+@functools.lru_cache(maxsize=200_000)
+def parts_of(answer: str, asks_for_a_list: bool) -> tuple[str, ...]:
     answer = normalize(answer.strip().split("\n")[0].lstrip(":").rstrip(".").rstrip("/"))
-    if "separated by commas" in problem and not any(c in answer for c in "()[]"):
-        return [a.strip() for a in answer.split(",")]
-    return [a.strip() for a in re.split(r"\\text\{\s*and\s*\}", answer)]
+    if asks_for_a_list and not any(c in answer for c in "()[]"):
+        return tuple(a.strip() for a in answer.split(","))
+    parts = [a.strip() for a in re.split(r"\\text\{\s*and\s*\}", answer)]
+    return tuple(item for part in parts for item in list_items(part))
+
+
+def list_items(s: str) -> list[str]:
+    """'0,1' -> ['0', '1']: split at the commas outside every bracket; '(0,1)', '1,000' and '1' stay whole."""
+    depth, cuts = 0, [-1]
+    for i, char in enumerate(s):
+        depth += (char in "{([") - (char in "})]")
+        if char == "," and depth == 0:
+            cuts.append(i)
+    if len(cuts) == 1 or re.fullmatch(THOUSANDS, s):
+        return [s]
+    return [item for a, b in zip(cuts, cuts[1:] + [len(s)]) if (item := s[a + 1:b].strip())]
 
 
 def braced_fracs(s: str) -> str:
-    """'\\frac12' -> '\\frac{1}{2}', '\\frac1{72}' -> '\\frac{1}{72}'; unchanged when a \\frac is cut short."""
-    head, *parts = s.split("\\frac")
-    for part in parts:
-        if not part.startswith("{"):
-            if len(part) < 2:
-                return s
-            part = "{" + part[0] + "}" + (part[1:] if part[1] == "{" else "{" + part[1] + "}" + part[2:])
-        head += "\\frac" + part
-    return head
+    """Both arguments of every \\frac braced, as LaTeX reads them (a brace group, a command such as \\pi, else
+    one character): '\\frac12' -> '\\frac{1}{2}', '\\frac{7}2' -> '\\frac{7}{2}', '\\frac\\pi4' ->
+    '\\frac{\\pi}{4}'; the last \\frac first (an argument may hold one); unchanged when one is cut short."""
+    written = s
+    for at in reversed([m.end() for m in re.finditer(r"\\frac", s)]):
+        for _ in range(2):
+            end = argument_end(s, at)
+            if end is None:
+                return written
+            if s[at] != "{":
+                s, end = s[:at] + "{" + s[at:end] + "}" + s[end:], end + 2
+            at = end
+    return s
+
+
+def argument_end(s: str, at: int) -> int | None:
+    """Where the LaTeX argument starting at s[at] ends; None where there is none (the text ends, a '}')."""
+    if at >= len(s) or s[at] == "}":
+        return None
+    if s[at] != "{":
+        return LATEX_TOKEN.match(s, at).end()
+    depth = 0
+    while at < len(s):
+        depth += {"{": 1, "}": -1}.get(s[at], 0)
+        at += 2 if s[at] == "\\" else 1  # '\{' and '\}' are no group's braces
+        if depth == 0:
+            return at
+    return None
 
 
 def slash_to_frac(s: str) -> str:
@@ -92,7 +139,9 @@ def slash_to_frac(s: str) -> str:
 # ---- equality ---------------------------------------------------------------------------------
 
 def parse_number(s: str) -> float | None:
-    """'1,000' -> 1000.0, '10%' -> 0.1; None when not a plain number."""
+    """'1,000' -> 1000.0, '10%' -> 0.1; None when not a plain number ('0,1' is a list: the reference read 1)."""
+    if "," in s and not re.fullmatch(THOUSANDS, s) or "_" in s:  # Python reads '1011_2' as 10112
+        return None
     s = s.replace(",", "")
     try:
         return float(s)
@@ -110,7 +159,8 @@ def allowed_error(pred: str, gold: str) -> float:
     """The reference's 1e-3, but at most half a unit in the last decimal place of the less precise answer
     that writes decimals, and 0 between exact numbers. The reference's 1e-3 (and math.isclose's relative
     1e-9) graded 0.0000673 right against 0.0000672, 3/57 against 3/56 and 11,111,111,101 against ...100."""
-    places = [min(map(len, re.findall(r"\.(\d+)", a))) for a in (pred, gold) if re.search(r"\.\d", a)]
+    places = [min(map(len, re.findall(r"\.(\d+)", a))) + 2 * a.endswith("%")  # '7.2%': 0.072, 3 places
+              for a in (pred, gold) if re.search(r"\.\d", a)]
     return min(1e-3, 0.5 * 10.0 ** -min(places)) if places else 0.0
 
 
@@ -148,13 +198,27 @@ def math_equal(pred: str, gold: str) -> bool:
         if all(len(p) == len(g) and all(map(math_equal, p, g)) for p, g in zip(pred_rows, gold_rows)):
             return True
     if pred.count("=") == 1 and gold.count("=") == 1:  # equations: the same up to a sign
-        p, g = (f"{side[0]}-({side[1]})" for side in (pred.split("="), gold.split("=")))
+        (pred_lhs, pred_rhs), (gold_lhs, gold_rhs) = pred.split("="), gold.split("=")
+        if pred_lhs == gold_lhs and named_value(pred) is not None and math_equal(pred_rhs, gold_rhs):
+            return True  # '(a,b)=(3,4)': the same name, the same value
+        p, g = f"{pred_lhs}-({pred_rhs})", f"{gold_lhs}-({gold_rhs})"
         return symbolic_equal(p, g) or symbolic_equal(f"-({p})", g)
-    if pred.count("=") == 1 and "=" not in gold and len(pred.split("=")[0].strip()) <= 2:  # 'x=5' vs '5'
-        return math_equal(pred.split("=")[1], gold)
-    if gold.count("=") == 1 and "=" not in pred and len(gold.split("=")[0].strip()) <= 2:
-        return math_equal(pred, gold.split("=")[1])
+    if named_value(pred) is not None and "=" not in gold:  # 'x=5' vs '5'
+        return math_equal(named_value(pred), gold)
+    if named_value(gold) is not None and "=" not in pred:
+        return math_equal(pred, named_value(gold))
     return symbolic_equal(pred, gold)
+
+
+NAME = r"([A-Za-z]{1,2}|\\[A-Za-z]+)(_\{?\w+\}?)?'*"  # x, ab, \theta, x_1, x_{12}, f'
+NAMED = rf"{NAME}|\({NAME}(,{NAME})*\)"  # x, or a tuple of names: (a,b)
+
+
+def named_value(answer: str) -> str | None:
+    """'x=5' -> '5', '(a,b)=(3,4)' -> '(3,4)'; None for any other answer ('2x=6', 'y=2x+3=z', '5'). The
+    reference's was any left side of up to 2 characters, so '2x=6' matched 6."""
+    lhs, equals, rhs = answer.partition("=")
+    return rhs if equals and "=" not in rhs and re.fullmatch(NAMED, lhs) else None
 
 
 def matrix_rows(s: str) -> list[list[str]] | None:
@@ -164,12 +228,18 @@ def matrix_rows(s: str) -> list[list[str]] | None:
     return [row.strip().split("&") for row in m.group(1).split("\\\\") if row.strip()]
 
 
-def answers_match(preds: list[str], golds: list[str]) -> bool:
-    """The reference's eval_math: repeats dropped, the last len(golds) predictions kept (a model may box
-    an intermediate result first); each side's answers all matched by the other's."""
+def answers_match(answers: list[list[str]], golds: list[str]) -> bool:
+    """The reference's eval_math on a response's answers (each a list of its parts): the last answers, as
+    many as hold len(golds) distinct parts (a model may box an intermediate result first); each side's answers
+    all matched by the other's. An answer is never cut: the reference kept the last len(golds) parts, so a
+    '0,1' matched a gold '1' (and dropped repeats first, so '5', '3', '5' did not match a gold '5')."""
     golds = list(dict.fromkeys(g for g in golds if g))  # an empty gold ('\\boxed{}', twice in MATH): no match
-    preds = list(dict.fromkeys(preds))[-len(golds):] if golds else []
-    return bool(golds and preds) and all_matched(preds, golds, answer_equal)
+    preds = []
+    for parts in reversed(answers):  # whole answers, the last first, until they hold as many as the gold
+        if len(set(preds)) >= len(golds):
+            break
+        preds = parts + preds
+    return bool(golds and preds) and all_matched(list(dict.fromkeys(preds)), golds, answer_equal)
 
 
 def answer_equal(pred: str, gold: str) -> bool:
@@ -268,8 +338,11 @@ def symbolic_equal(pred: str, gold: str) -> bool:
         return False
     try:
         with time_limit(SYMPY_SECONDS):
-            if sympy.simplify(a - b) == 0:
+            difference = sympy.simplify(a - b)
+            if difference == 0:
                 return True
+            if difference.is_Rational:  # exactly not 0: 2^{100}-3 is not 2^{100}-2, close as the floats are
+                return False
             return close(float(sympy.N(a)), float(sympy.N(b)), pred, gold)
     except (Exception, OutOfTime):
         return False

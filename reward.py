@@ -140,6 +140,11 @@ def check_fields(row, where: str, fields: tuple[str, str]):
     for field in fields:
         if not isinstance(row.get(field), str) or not row[field].strip():
             raise DataError(f"{where}: missing or empty string field '{field}'")
+        try:  # JSON's '\\ud800' escape: valid JSON, not text (sha256 and the tokenizer need UTF-8)
+            row[field].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{where}: field '{field}' holds a lone surrogate ({row[field][e.start]!r} at "
+                            f"character {e.start}); expected text that UTF-8 can write") from None
 
 
 def check_problem(row, where: str) -> dict:
@@ -163,6 +168,8 @@ def read_jsonl(path: str) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); expected one object per line") from None
+        except RecursionError:  # Python's parser recurses: 200,000 '[' are valid JSON it cannot read
+            raise DataError(f"{path}:{i}: JSON nested too deeply; expected one object per line") from None
         if not problems:  # the first row's fields choose the format: MATH's problem/solution, or GSM8K's
             check = check_math_problem if isinstance(row, dict) and "problem" in row else check_problem
         problems.append(check(row, f"{path}:{i}"))
@@ -211,8 +218,8 @@ def is_math_data(data: str) -> bool:
     try:
         with open(data, encoding="utf-8-sig") as f:
             return "problem" in json.loads(next((line for line in f if line.strip()), "{}"))
-    except (OSError, UnicodeDecodeError, ValueError, TypeError):
-        return False
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, RecursionError):
+        return False  # read_jsonl then names the file and line
 
 
 def hub_problems(data: str, repo: str, config: str | None, split: str, check, offline_format: str):
@@ -285,21 +292,33 @@ def boxed_answers(text: str) -> list[str]:
     return answers
 
 
-def math_answers(text: str, problem: str = "") -> list[str]:
-    """The reference's extract_math_answer, normalized: 'The final answer is $X$. I hope', else every
-    \\boxed{}, else what follows 'he answer is', else an ```output block, else the last number; first line
-    only. Split into several answers at commas when the problem asks for a list, and at '\\text{ and }'."""
-    if "final answer is $" in text and "$. I hope" in text:
-        found = [text.split("final answer is $", 1)[1].split("$. I hope", 1)[0]]
-    elif "boxed" in text:
-        found = boxed_answers(text)
-    elif "he answer is" in text:
-        found = [text.split("he answer is")[-1]]
-    elif "```output" in text and text.split("```output")[-1].split("```")[0].strip():
-        found = [text.split("```output")[-1].split("```")[0]]
-    else:
-        found = re.findall(r"-?\d*\.?\d+", text.replace(",", ""))[-1:]
-    return [part for answer in found for part in math_grader.answer_parts(answer, problem)]
+# Minerva's closing line, its answer in any math delimiters (the reference read only '$...$')
+CLOSING = re.compile(r"final answer is\s*(?:\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\])"
+                     r"\s*\.?\s*I hope", re.S)
+
+
+def extracted_answers(text: str) -> list[str]:
+    """The reference's extract_answer: 'The final answer is $X$. I hope' (X boxed or not), else every
+    \\boxed{}, else what follows 'he answer is', else an ```output block, else the last number."""
+    closing = CLOSING.match(text, max(text.find("final answer is"), 0))  # the first only, as the reference
+    if closing:
+        found = next(group for group in closing.groups() if group is not None)
+        return boxed_answers(found) if "boxed" in found else [found]
+    if "boxed" in text:
+        return boxed_answers(text)
+    if "he answer is" in text:
+        return [text.split("he answer is")[-1]]
+    if "```output" in text and text.split("```output")[-1].split("```")[0].strip():
+        return [text.split("```output")[-1].split("```")[0]]
+    return re.findall(r"-?\d*\.?\d+", text.replace(",", ""))[-1:]
+
+
+def math_answers(text: str, problem: str = "", whole: bool = False) -> list:
+    """The reference's extract_math_answer: every extracted answer normalized, first line only, and split
+    into several: at commas when the problem asks for a list, at '\\text{ and }', at commas outside brackets.
+    whole: a list of each answer's parts."""
+    answers = [math_grader.answer_parts(answer, problem) for answer in extracted_answers(text)]
+    return answers if whole else [part for parts in answers for part in parts]
 
 
 @functools.lru_cache(maxsize=20_000)
@@ -310,6 +329,5 @@ def gold_math_answers(solution: str, problem: str) -> tuple[str, ...]:
 def math_reward(completion: str, gold_solution: str, problem: str = "") -> float:
     """1.0 iff the completion's answers match those of the gold solution, extracted the same way (the
     reference's eval_math; `problem` matters only when it asks for a list 'separated by commas')."""
-    return float(math_grader.answers_match(math_answers(completion, problem),
+    return float(math_grader.answers_match(math_answers(completion, problem, whole=True),
                                            list(gold_math_answers(gold_solution, problem))))
-

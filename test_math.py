@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import checkpoint
 import math_grader
+import reward
 import train
 import vine
 from reward import DataError, is_math, load_problems, math_answers, math_reward, read_jsonl
@@ -55,19 +56,108 @@ def graded(pred: str, gold: str, problem: str = "") -> float:
     ("\\frac{1}{\\sqrt{3}}", "\\frac{\\sqrt{3}}{3}", "", 1), ("\\sqrt[3]{8}", "2", "", 1),        # roots
     ("2\\pi", "\\pi\\cdot 2", "", 1), ("\\frac{\\pi}{2}", "1.5708", "", 1), ("3.14", "\\pi", "", 0),  # pi
     ("-11+27i", "27i-11", "", 1), ("2\\cdot 3", "6", "", 1), ("2\\cdot 3", "23", "", 0),
-    ("3, 2", "2,3", LIST, 1), ("3,-2", "-2, 3", LIST, 1), ("3,2", "2,3", "", 0), ("2,4", "2,3", LIST, 0),
+    ("3, 2", "2,3", LIST, 1), ("3,-2", "-2, 3", LIST, 1), ("3,2", "2,3", "", 1), ("2,4", "2,3", LIST, 0),
     ("3\\text{ and }2", "2\\text{ and }3", "", 1),                                             # unordered lists
     ("1024", "2^{10}", "", 1), ("2^{10}", "1000", "", 0), ("1,\\!000", "1000", "", 1),
     ("11111111101", "11111111100", "", 0), ("0.0000673", "0.0000672", "", 0),                   # numbers
     ("\\text{east}", "\\text{east}", "", 1), ("\\text{(C)}", "\\text{(D)}", "", 0), ("East", "west", "", 0),
+    ("7.3\\%", "7.2\\%", "", 0), ("2^{100}-3", "2^{100}-2", "", 0), ("10112", "1011_2", "", 0),  # found by the
+    ("\\frac{h^2}m", "\\frac{h^2}{m}", "", 1), ("\\frac{1}{m}", "1", "", 0), ("5\\mathrm{cm}^2", "5", "", 1),
+    ("\\sin^{2} t", "\\sin^2 t", "", 1), ("\\sin^2 t", "\\sin^2 x", "", 0), ("2t", "2", "", 0),  # other forms
 ])
 def test_hand_written_equivalences(pred, gold, problem, right):
     assert graded(pred, gold, problem) == right
 
 
+def fraction_forms(num: str, den: str) -> set[str]:
+    """\\frac{num}{den} in each way LaTeX reads it: \\frac, \\dfrac or \\tfrac; a one-character argument braced,
+    bare, or after a space (a bare letter right after \\frac would make another command's name)."""
+    def forms(arg: str, first: bool) -> list[str]:
+        if len(arg) > 1:
+            return ["{" + arg + "}"]
+        return ["{" + arg + "}", " " + arg] + ([] if first and arg.isalpha() else [arg])
+    return {f"\\{command}{a}{b}" for command in ("frac", "dfrac", "tfrac")
+            for a in forms(num, True) for b in forms(den, False)}
+
+
+@pytest.mark.parametrize("num, den", [("7", "2"), ("x", "y"), ("12", "5"), ("3", "10"), ("\\sqrt{3}", "2"),
+                                      ("\\pi", "4"), ("1", "x")])
+def test_a_fraction_in_every_latex_form_is_that_fraction(num, den):
+    braced, upside_down = f"\\frac{{{num}}}{{{den}}}", f"\\frac{{{den}}}{{{num}}}"
+    for form in fraction_forms(num, den):
+        assert graded(form, braced) == graded(braced, form) == 1, form
+        assert graded(form, upside_down) == graded(upside_down, form) == 0, form
+    assert graded("\\frac{7}2x", "\\frac{7x}{2}") == graded("\\frac{1}{\\frac{1}2}", "2") == 1  # as LaTeX reads
+
+
+def test_a_unit_in_text_or_mbox_is_dropped_however_it_is_spaced():
+    for command in ("text", "mbox"):
+        for unit in ("{cm}", "{ cm}", " { cm }", "{ square feet}"):
+            for power in ("", "^2", "^{3}"):
+                for gap in ("", " ", "\\ ", "\\,"):
+                    written = f"12{gap}\\{command}{unit}{power}"
+                    assert graded(written, "12") == graded("12", written) == 1, written
+                    assert graded(written, "13") == graded("13", written) == 0, written
+    assert graded("\\text { east}", "\\text{East}") == 0 and graded("\\text { east}", "\\text{east}") == 1
+
+
+def test_a_base_subscript_braced_or_not():
+    for number, base in [("1011", "2"), ("52", "8"), ("4210", "5"), ("A3", "9")]:
+        bare, braced = f"{number}_{base}", f"{number}_{{{base}}}"
+        assert graded(bare, braced) == graded(braced, bare) == graded(f"{number}_ {base}", braced) == 1
+        assert graded(bare, f"{number}_{{{int(base) - 1}}}") == graded(f"1{number}_{base}", braced) == 0
+    assert graded("1011_{10}", "1011_{10}") == 1 and graded("1011_{10}", "1011_1") == 0
+
+
+@pytest.mark.parametrize("name, value, other", [
+    ("x", "5", "6"), ("k", "\\frac{1}{2}", "\\frac{1}{3}"), ("(a,b)", "(3,4)", "(4,3)"), ("x_1", "7", "8"),
+    ("(x, y, z)", "(1,-2,\\frac12)", "(1,2,\\frac12)"), ("\\theta", "\\frac{\\pi}{3}", "\\frac{\\pi}{6}")])
+def test_an_answer_named_in_an_assignment_is_its_value(name, value, other):
+    named = f"{name} = {value}"
+    assert graded(named, value) == graded(value, named) == graded(named, f"{name}={value}") == 1
+    assert graded(f"{name}={other}", value) == graded(named, other) == graded(other, named) == 0
+
+
+def test_an_equation_as_the_answer_stays_an_equation():
+    assert graded("y=2x+3", "y=2x+3") == graded("y = 3 + 2x", "y=2x+3") == graded("2x-y+3=0", "y=2x+3") == 1
+    assert graded("y=2x+4", "y=2x+3") == graded("x=2y+3", "y=2x+3") == graded("y=2x", "2x+3") == 0
+    assert graded("2x=6", "6") == graded("6", "2x=6") == 0  # '2x = 6' says x = 3: a number names nothing
+
+
+@pytest.mark.parametrize("opening, closing", [("$", "$"), ("$$", "$$"), ("\\(", "\\)"), ("\\[", "\\]")])
+def test_minervas_closing_line_in_any_math_delimiters(opening, closing):
+    for answer, extracted, same, other in [("\\frac{3}{5}", "\\frac{3}{5}", "0.6", "\\frac{3}{4}"),
+                                           ("(1, 2)", "(1,2)", "(1,2)", "(2,1)"),
+                                           ("\\boxed{7}", "7", "7", "8")]:
+        text = f"It is 9.\nFinal Answer: The final answer is {opening}{answer}{closing}. I hope it is correct."
+        assert math_answers(text) == [extracted], text
+        assert math_reward(text, f"$\\boxed{{{same}}}$") == 1, text
+        assert math_reward(text, f"$\\boxed{{{other}}}$") == 0, text
+
+
+@pytest.mark.parametrize("items, problem", [(["0", "1"], ""), (["0", "1"], LIST), (["-1", "\\frac12", "3"], ""),
+                                            (["3i", "-3i"], ""), (["B", "C"], "")])
+def test_a_list_answer_matches_only_the_whole_list(items, problem):
+    """Every element, in any order, and nothing else: a list without brackets is a set of answers whether or
+    not the problem says 'separated by commas' (with brackets it is a tuple or an interval: in order)."""
+    gold = ",".join(items)
+    for written in (gold, ", ".join(items), ", ".join(reversed(items))):
+        assert graded(written, gold, problem) == 1, written
+    for wrong in items + [", ".join(items[1:]), gold + ",5", f"({gold})"]:
+        assert graded(wrong, gold, problem) == graded(gold, wrong, problem) == 0, wrong
+
+
+def test_thousands_separators_against_lists():
+    for written, plain in [("1,000", "1000"), ("10,\\!080", "10080"), ("8{,}880", "8880"),
+                           ("-11,111,111,100", "-11111111100"), ("\\frac{1}{29,\\!322}", "\\frac{1}{29322}")]:
+        assert graded(written, plain) == graded(plain, written) == 1, written
+    for written, other in [("3,2", "32"), ("0,1", "1"), ("0,100", "100"), ("1,00", "100"), ("1,000", "1")]:
+        assert graded(written, other) == graded(other, written) == 0, written
+
+
 def test_the_references_extraction_fallbacks():
     assert math_answers("so the final answer is $\\frac{1}{2}$. I hope it is correct.") == ["\\frac{1}{2}"]
-    assert math_answers("First $\\boxed{3}$, then $\\boxed{\\frac{a}{b^{2}}}$.") == ["3", "\\frac{a}{b^{2}}"]
+    assert math_answers("First $\\boxed{3}$, then $\\boxed{\\frac{a}{b^{2}}}$.") == ["3", "\\frac{a}{b^2}"]
     assert math_answers("Hence the answer is 42.\nMore text") == ["42"]
     assert math_answers("It is 3, then 5, not 1,250 or 7.5 apples") == ["7.5"]  # the last number
     assert math_answers("```output\n12\n```") == ["12"]
@@ -77,6 +167,9 @@ def test_the_references_extraction_fallbacks():
     # the last len(gold) answers count: an intermediate boxed result first does not hurt
     assert math_reward("$\\boxed{3}$ so $\\boxed{5}$", "$\\boxed{5}$") == 1.0
     assert math_reward("$\\boxed{5}$ so $\\boxed{3}$", "$\\boxed{5}$") == 0.0
+    assert math_reward("$\\boxed{5}$, $\\boxed{3}$, $\\boxed{5}$", "$\\boxed{5}$") == 1.0  # the reference: 0
+    assert math_reward("$\\boxed{0}$ and $\\boxed{1}$", "$\\boxed{0, 1}$") == 1.0  # a list boxed one by one
+    assert math_reward("$\\boxed{0, 1}$", "$\\boxed{0}$ and $\\boxed{1}$") == 1.0
     assert math_reward("$\\boxed{}$", "$\\boxed{}$") == 0.0  # an empty gold matches nothing
 
 
@@ -96,20 +189,69 @@ def test_every_math500_gold_grades_one_and_a_changed_answer_zero():
         assert math_reward(changed_answer(solution), solution, problem) == 0.0, row["unique_id"]
 
 
-def changed_answer(solution: str) -> str:
-    """The solution with its last boxed answer changed: its last digit + 1 (mod 10), or '+1' appended."""
+def last_box(solution: str) -> tuple[int, int]:
+    """Where the content of the solution's last \\boxed{...} begins and ends."""
     start = solution.rindex("boxed{") + len("boxed{")
     depth, end = 0, start
     while depth >= 0:
         depth += {"{": 1, "}": -1}.get(solution[end], 0)
         end += 1
-    answer = solution[start: end - 1]
-    digits = [m.start() for m in re.finditer(r"\d", answer)]
+    return start, end - 1
+
+
+def changed_answer(solution: str) -> str:
+    """The solution with its last boxed answer changed: its last digit before any unit + 1 (mod 10), or '+1'
+    appended ('864\\mbox{ inches}^2' -> '865\\mbox{ inches}^2': a unit is dropped, its power with it)."""
+    start, end = last_box(solution)
+    answer = solution[start:end]
+    digits = [m.start() for m in re.finditer(r"\d", re.split(r"\\text|\\mbox", answer)[0])]
     if digits:
         answer = answer[: digits[-1]] + str((int(answer[digits[-1]]) + 1) % 10) + answer[digits[-1] + 1:]
     else:
         answer += "+1"
-    return solution[:start] + answer + solution[end - 1:]
+    return solution[:start] + answer + solution[end:]
+
+
+ARG = r"(\{(?:[^{}]|\{[^{}]*\})*\}|[0-9A-Za-z])"  # a brace group (one level nested within) or one character
+FRAC = re.compile(r"\\([dt]?frac)\s*" + ARG + r"\s*" + ARG)
+bare = lambda arg: arg[1] if re.fullmatch(r"\{[0-9A-Za-z]\}", arg) else arg
+braced = lambda arg: arg if arg.startswith("{") else "{" + arg + "}"
+ALONE = r"(?![0-9A-Za-z.])"  # not followed by what a greedy reader would take into the argument
+OTHER_FORMS = {  # each rewrites every place it applies; each writes the same LaTeX
+    "\\frac{a}b": lambda s: FRAC.sub(lambda m: f"\\{m[1]}{m[2]}{bare(m[3])}", s),
+    "\\frac ab": lambda s: FRAC.sub(lambda m: f"\\{m[1]} {bare(m[2])}{bare(m[3])}", s),
+    "\\frac{a}{b}": lambda s: FRAC.sub(lambda m: f"\\{m[1]}{braced(m[2])}{braced(m[3])}", s),
+    "\\dfrac": lambda s: s.replace("\\frac", "\\dfrac"),
+    "\\frac for \\dfrac": lambda s: re.sub(r"\\[dt]frac", r"\\frac", s),
+    "\\sqrt 2, x^2, 1011_2": lambda s: re.sub(r"(\\sqrt|\^|_)\{([0-9A-Za-z])\}" + ALONE,
+                                           lambda m: m[1] + (" " if m[1] == "\\sqrt" else "") + m[2], s),
+    "\\sqrt{2}, x^{2}, 1011_{2}": lambda s: re.sub(r"(\\sqrt|\^|_)\s*([0-9A-Za-z])" + ALONE, r"\1{\2}", s),
+}
+
+
+def other_form_pairs(rows: list[dict]):
+    """(response, gold solution, problem, form) for each answer of `rows` that a form writes otherwise: the
+    `answer` field so written, boxed; the solution with its final answer so written, against the solution
+    and the other way round."""
+    for row in rows:
+        solution, problem = row["solution"], row["problem"]
+        start, end = last_box(solution)
+        for name, rewrite in OTHER_FORMS.items():
+            if rewrite(row["answer"]) != row["answer"]:
+                yield f"So it is $\\boxed{{{rewrite(row['answer'])}}}$.", solution, problem, name
+            if rewrite(solution[start:end]) != solution[start:end]:
+                written = solution[:start] + rewrite(solution[start:end]) + solution[end:]
+                yield written, solution, problem, name
+                yield solution, written, problem, name
+
+
+@needs_math500
+def test_every_math500_answer_in_its_other_common_forms_grades_one():
+    pairs = list(other_form_pairs(MATH500))
+    assert len(pairs) > 500  # 5 of MATH-500's answers write \\frac{a}b, hundreds \\frac{a}{b} or \\dfrac
+    wrong = [(name, response[-40:], gold[-40:]) for response, gold, problem, name in pairs
+             if math_reward(response, gold, problem) != 1]
+    assert not wrong
 
 
 @pytest.mark.parametrize("answer", [
@@ -239,6 +381,38 @@ def test_math_jsonl_read_by_its_fields_and_errors_name_file_and_line(tmp_path):
             read_jsonl(str(bad))
     with pytest.raises(DataError, match="one holds MATH problems"):
         is_math(problems + [{"question": "q", "answer": "#### 1"}])
+
+
+HOSTILE = [("surrogate.jsonl", '{"question": "What is \\ud800 1+1?", "answer": "#### 2"}', 3, "lone surrogate"),
+           ("math.jsonl", '{"problem": "p", "solution": "$\\\\boxed{\\udfff}$"}', 3, "lone surrogate"),
+           ("deep.jsonl", "[" * 200_000, 1, "nested too deeply"),
+           ("deep2.jsonl", "[" * 200_000, 3, "nested too deeply")]
+
+
+@pytest.mark.parametrize("name, line, number, message", HOSTILE, ids=[case[0] for case in HOSTILE])
+def test_valid_but_hostile_json_is_refused_naming_file_and_line(tmp_path, name, line, number, message):
+    """A lone surrogate (valid JSON, no valid text: sha256 and the tokenizer fail on it) and deep nesting
+    (Python's parser recurses): refused on reading, and the format check of the command line survives them."""
+    first = '{"problem": "q", "solution": "$\\\\boxed{1}$"}' if name == "math.jsonl" else \
+        '{"question": "q", "answer": "#### 1"}'
+    path = tmp_path / name
+    path.write_text("\n".join(([] if number == 1 else [first, first]) + [line, first]) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{path}:{number}: ") + ".*" + message) as error:
+        load_problems(str(path), "test", hold_out=True)
+    assert "\n" not in str(error.value)
+    assert reward.is_math_data(str(path)) == (name == "math.jsonl")  # deep.jsonl's first line: not MATH's
+
+
+def test_train_refuses_hostile_json_in_one_line(tmp_path):
+    """Through the command line (its format check reads the first line too): one line, exit status 2."""
+    import subprocess
+    import sys
+    path = tmp_path / "deep.jsonl"
+    path.write_text("[" * 200_000 + "\n")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--data", str(path), "--out",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    expected = f"error: {path}:1: JSON nested too deeply; expected one object per line\n"
+    assert run.returncode == 2 and run.stderr == expected, run.stderr[-500:]
 
 
 def test_math_settings_apply_where_the_user_sets_nothing():
