@@ -44,7 +44,10 @@ def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-6):
-    """GRPO (Shao et al. 2024, §4.1.2): A = (R - mean of its group) / (std of its group + eps); [N]."""
+    """GRPO (Shao et al. 2024, §4.1.2): A = (R - mean of its group) / (std of its group + eps); [N].
+    Its loss here is ppo_loss's: a token mean over the minibatch under PPO's clip, DAPO's token-level loss
+    (Yu et al. 2025, arXiv 2503.14476, §3.3), not DeepSeekMath's per-response mean 1/G sum_i 1/|o_i| sum_t
+    (arXiv 2402.03300, §4.1, eq. 3), which gives a short response's tokens more weight than a long one's."""
     adv = torch.empty_like(rewards)
     for g in group.unique():
         r = rewards[group == g]

@@ -104,8 +104,11 @@ def start_run(cfg, device, autocast):
     cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
     steps_per_iteration = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
     total = cfg.iterations * steps_per_iteration
-    learners = [ppo.Learner(model, lr, total, int(cfg.warmup * total), cfg.fsdp, device)
-                for model, lr in [(policy, cfg.lr), (critic, cfg.critic_lr)] if model is not None]
+    # the policy does not step during --critic-warmup: its schedule spans the iterations after it, down to 0
+    policy_total = max(0, cfg.iterations - cfg.critic_warmup) * steps_per_iteration
+    learners = [ppo.Learner(model, lr, steps, int(cfg.warmup * steps), cfg.fsdp, device)
+                for model, lr, steps in [(policy, cfg.lr, policy_total), (critic, cfg.critic_lr, total)]
+                if model is not None]
     done = checkpoint.restore_training_state(cfg, state, learners)
     return tok, train_set, eval_set, ref, learners[0], (learners[1] if critic is not None else None), done
 

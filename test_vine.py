@@ -896,6 +896,7 @@ def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1, 2] and "policy_loss" in rows[-1]
+    assert rows[-1]["lr"] == 0.0  # the policy's schedule ends at 0, after a --critic-warmup too
     if warmup:  # the first iteration trains the critic only
         assert "policy_loss" not in rows[1] and "value_loss" in rows[1]
     AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")

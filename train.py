@@ -85,10 +85,12 @@ class Config:
     value_head: str = arg("", "ppo/tppo critic head: scalar | tracking | bce (default: scalar, tppo: tracking)",
                           one_of("", *value.HEADS))
     critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)", at_least(0))
-    critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves", at_least(0))
+    critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves (its LR "
+                                "schedule spans the iterations after them)", at_least(0))
     gamma: float = arg(1.0, "GAE discount", between(0, 1))
     lam: float = arg(1.0, "GAE lambda of the policy's advantages", between(0, 1))
-    lam_critic: float = arg(1.0, "GAE lambda of the critic's targets", between(0, 1))
+    lam_critic: float = arg(1.0, "GAE lambda of the scalar head's targets (the tracking and bce heads learn "
+                                 "the outcome R, whatever it is)", between(0, 1))
     value_clip: float = arg(0.2, "clip range of the scalar critic around its old values", above(0))
     epochs: int = arg(2, "PPO epochs over each iteration's episodes", at_least(1))
     minibatch: int = arg(64, "episodes per optimizer step", at_least(1))
