@@ -110,7 +110,7 @@ def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
            rollout.Episode([1, 5], [7, 8, 6, 2], "", 0, True, step_starts=[0, 2]),
            rollout.Episode([1, 6], [7, 2], "", 1, True, step_starts=[0])]
     grade = lambda ep, ids, tok: float(ids[-1] < (len(ep.prompt_ids) + len(ids) - 1) % 4)
-    monkeypatch.setattr(rollout, "grade", grade)
+    monkeypatch.setattr(rollout, "response_reward", grade)
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10, eos_id=2, pad_id=0)
     counts = vine.mc_values(None, eps, None, 4, sampling, max_states=25)
     assert counts["mc_states"] == 5   # 6 states, [1,5] shared by the two samples of prompt 0
@@ -125,7 +125,7 @@ def test_mc_values_cap_leaves_none(monkeypatch):
     ep = rollout.Episode([1], [4, 4, 4, 2], "", 0, True, step_starts=[0, 1, 2, 3])
     monkeypatch.setattr(rollout, "sample", lambda m, prefixes, k, b, sampling, **kw: (
         [[[2]] * k for _ in prefixes], [[True] * k for _ in prefixes]))
-    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: 1.0)
+    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: 1.0)
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, pad_id=0)
     vine.mc_values(None, [ep], None, 2, sampling, max_states=2)
     assert ep.step_values == [1.0, 1.0, None, None]
@@ -217,7 +217,7 @@ def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
     assignment = {}
     monkeypatch.setattr(rollout, "sample", lambda model, prefixes, n, budgets, sampling, **kw: (
         [[list(assignment[(tuple(p), j)]) for j in range(n)] for p in prefixes], [[True] * n for _ in prefixes]))
-    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: TREE_REWARD[tuple(ids)])
+    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: TREE_REWARD[tuple(ids)])
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=2, eos_id=2, pad_id=0)
     sums, weights = collections.defaultdict(lambda: [0.0, 0.0]), collections.defaultdict(float)
     continuation_sets = [list(itertools.product(paths(s), repeat=k)) for s in states]
@@ -262,18 +262,18 @@ def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
             [[True] * n for _ in prefixes]
 
     monkeypatch.setattr(rollout, "sample", fake_sample)
-    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: float(ids[-1] == 3))
+    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: float(ids[-1] == 3))
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=2, pad_id=0)
     eps = [rollout.Episode([1], [3, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1]),
            rollout.Episode([1], [4, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1])]
     counts = vine.mc_values(None, eps, None, 3, sampling, max_k=9, increment=2, ci_width=0.05)
     # round 1: 3 states x 3; [1, 3] agrees and stops; [1] and [1, 4] are mixed, straight to 9: one call
-    assert calls == [(3, 3), (2, 6)] and counts["mc_rollouts"] == 3 + 9 + 9 and counts["mc_states"] == 3
+    assert calls == [(3, 3), (2, 6)] and counts["mc_continuations"] == 3 + 9 + 9 and counts["mc_states"] == 3
     assert eps[0].step_values == [4 / 9, 1.0] and eps[1].step_values == [4 / 9, 4 / 9] and eps[0].step_counts == []
     calls.clear()
     counts = vine.mc_values(None, eps, None, 3, sampling, reuse=True, top_up=True)
     # the prompt has one other response through it: 2 continuations; [1, 3] and [1, 4]: none, so 3 each
-    assert calls == [(8, 1)] and counts["mc_rollouts"] == 8  # one call: a row per continuation
+    assert calls == [(8, 1)] and counts["mc_continuations"] == 8  # one call: a row per continuation
     assert eps[0].step_counts == [3, 3] and eps[0].step_values == [1 / 3, 1.0]  # [1]: 4, 4 and ep 1's R
     with pytest.raises(ValueError):
         vine.mc_values(None, eps, None, 3, sampling, top_up=True)
@@ -872,6 +872,10 @@ def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
                 "approx_kl", "tokens_generated", "seconds", *train.PHASES):
         assert key in rows[-1]
     assert rows[1]["mc_states"] > 0 and (tmp_path / "samples.jsonl").exists()
+    assert all(row["mc_continuations"] == 2 * row["mc_states"] for row in rows[1:])  # K = 2 per state
+    # time_save: the previous iteration's checkpoint (none before the first); seconds: training, evaluation aside
+    assert rows[1]["time_save"] == 0.0 and rows[2]["time_save"] > 0 and rows[2]["time_eval"] > 0
+    assert rows[2]["seconds"] == pytest.approx(sum(rows[2][phase] for phase in train.TRAINING))
     # the settings that differ from the defaults, the demo's included, printed first; all in config.json
     printed = r.stdout.split("settings (")[1].splitlines()[0]
     assert "--sft-steps 3 " in printed and "--lr 0.0001 " in printed and "--algo" not in printed
@@ -886,7 +890,7 @@ def test_adaptive_mc_with_reused_responses_runs(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][1:]
     for row in rows:  # 2 continuations per state first, then 4 more where they disagree
-        assert 2 * row["mc_states"] <= row["mc_rollouts"] <= 6 * row["mc_states"] and row["mc_tokens"] > 0
+        assert 2 * row["mc_states"] <= row["mc_continuations"] <= 6 * row["mc_states"] and row["mc_tokens"] > 0
 
 
 @pytest.mark.parametrize("algo", ["ppo", "tppo", "grpo"])
