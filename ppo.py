@@ -1,6 +1,8 @@
 """The PPO update every method shares (clipped surrogate, k3 KL, whitening) and the advantages that differ:
 GAE for a critic, group normalisation for GRPO, VinePPO's MC values (vine.py). Tensors are [B, L-1],
-aligned with the actions: position t holds token t+1's log-prob, advantage, ... (reference pitfall 6).
+aligned with the actions: position t holds token t+1's log-prob, advantage, ..., as in the reference
+implementation (McGill-NLP/VinePPO, https://github.com/McGill-NLP/VinePPO: src/treetune/trainers/ppo_trainer.py,
+PPOTrainer._training_step; "the reference" in the comments of every file).
 
 Needs: vine.py (VinePPO's step advantages), rollout.py (padding, log-probs), parallel.py (the minibatch's
 statistics over processes). Algorithm: everything up to ppo_update; its helpers after the engineering line."""
@@ -23,7 +25,8 @@ def masked_mean(x, mask, dim=None):
 
 
 def masked_whiten(x, mask, eps: float = 1e-8, all_reduce=lambda t: t):
-    """(x - mean) / sqrt(var + eps) over the masked entries of all processes (reference §2.6), unbiased var."""
+    """(x - mean) / sqrt(var + eps) over the masked entries of all processes, unbiased var (the reference's
+    masked_whiten in trainers/utils.py, as PPOTrainer._training_step calls it: distributed, unbiased)."""
     total, n = all_reduce(torch.stack([(x * mask).sum(), mask.sum()]))
     mean = total / n.clamp(min=1)
     var = all_reduce(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
@@ -119,7 +122,8 @@ def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic:
 
 
 class Learner:
-    """A trained model, with the AdamW state and LR schedule it keeps across iterations (ref. pitfall 12)."""
+    """A trained model, with the AdamW state and LR schedule it keeps across iterations (as the reference's
+    PPOTrainer.step reloads its engines' checkpoint every iteration): never a fresh optimizer per iteration."""
 
     def __init__(self, model, lr: float, total_steps: int, warmup_steps: int, fsdp: bool, device):
         self.model = model  # the weights (saved, evaluated)
