@@ -1,6 +1,6 @@
 """Does step-level credit assignment matter more on longer chains? VinePPO, GRPO and PPO side by side.
 
-X
+    python compare.py   # the experiment: chains of 6-8 and 10-12 steps, vineppo, grpo, ppo x 3 seeds
     python compare.py --chains 6-8 --seeds 0 --iterations 2 --algos vineppo,grpo --jobs 1   # a quick look
 
 For each chain length (`--arith-steps` of the built-in task, with `--arith-traps`): one SFT start

@@ -271,7 +271,7 @@ def mc_settings(a, tok, policy, sampling, problems, out):
                       for ep, tv, ta in zip(episodes, true_values, true_advantages)
                       for v, t, adv, true_adv in zip(ep.step_values, tv, vine.step_advantages(
                           ep.step_values, ep.reward, ep.step_counts), ta)]
-            runs.append([counts["mc_rollouts"] / counts["mc_states"], counts["mc_tokens"], seconds,
+            runs.append([counts["mc_continuations"] / counts["mc_states"], counts["mc_tokens"], seconds,
                          *map(statistics.mean, zip(*errors))])
         rows[name] = dict(zip(("per_state", "mc_tokens", "seconds", "value_mae", "advantage_mae"),
                               map(statistics.mean, zip(*runs))), options=options)

@@ -36,8 +36,9 @@ def gsm8k_reward(completion: str, gold_answer: str) -> float:
     pred = extract_answer(completion)
     if pred is None:
         return 0.0
-    # The reference (§3.4) removes commas from the prediction only, so a gold answer written
-    # '#### 2,125' (14 of GSM8K's 1319 test problems) could never score: removed on both sides here.
+    # The reference (tasks/gsm8k.py, GSM8K.grade_answer) removes commas from the prediction only, so a
+    # gold answer written '#### 2,125' (14 of GSM8K's 1319 test problems) could never score: removed on
+    # both sides here.
     return float(pred.replace(",", "").lower() == gold.replace(",", "").lower())
 
 
@@ -239,13 +240,14 @@ def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world:
 
 
 def encode_prompt(tok, prompt: str) -> list[int]:
-    """BOS + the prompt's tokens: what sampling starts from (reference §3.2)."""
+    """BOS + the prompt's tokens: what sampling starts from (the tokenizer's own BOS, as in pretraining)."""
     ids = tok(prompt, add_special_tokens=False).input_ids
     return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
 
 
 def sft_example(tok, prompt: str, answer: str) -> tuple[list[int], int]:
-    """(prompt + response + EOS ids, prompt length) (reference §3.3), the response tokenized after the
+    """(prompt + response + EOS ids, prompt length: SFT's loss is on the response, as the reference's
+    MLEDataCollator in trainers/mle_trainer.py masks the query), the response tokenized after the
     prompt (alone, SentencePiece would start it with a '▁'), or alone where the two merge (BPE)."""
     prompt_ids, target = encode_prompt(tok, prompt), sft_target(answer)
     prompt_text_ids = prompt_ids[1:] if tok.bos_token_id is not None else prompt_ids

@@ -2,7 +2,7 @@
 VinePPO's environment reset (§3): the pass over whole trajectories holds every prefix's keys/values, so a
 state is forked by copying them, K times, into buffers with room to decode on.
 
-Needs: reward.py (grade: a response's reward). Algorithm: Sampling, Episode, sample_episodes, old_logprobs,
+Needs: reward.py (grade: a text's reward). Algorithm: Sampling, Episode, sample_episodes, old_logprobs,
 reference_logprobs; the fork and batching below them are engineering a first reading may skip."""
 from dataclasses import dataclass, field
 
@@ -37,13 +37,13 @@ class Episode:
     n = number of steps. Who fills what, in the order of train.py's loop:
 
     field          shape / type       set by (phase)                              read by
-    prompt_ids     list [P]           sample_episodes (1), from the problem       every forward pass
-    response_ids   list [T]           sample_episodes (1); EOS when it stopped    every forward pass
-    gold, question str                sample_episodes (1), from the problem       grade
-    math           bool               sample_episodes (1): a MATH problem          grade, vine.split_steps
-    group          int                sample_episodes (1): its prompt's index      GRPO, group_chunks
-    finished       bool               sample_episodes (1): stopped within budget   its reward (else 0)
-    reward         float              sample_episodes (2): grade                   advantages, critic loss
+    prompt_ids     list [P]           sample_episodes (2), from the problem       every forward pass
+    response_ids   list [T]           sample_episodes (2); EOS when it stopped    every forward pass
+    gold, question str                sample_episodes (2), from the problem       response_reward
+    math           bool               sample_episodes (2): a MATH problem          response_reward, split_steps
+    group          int                sample_episodes (2): its prompt's index      GRPO, group_chunks
+    finished       bool               sample_episodes (2): stopped within budget   its reward (else 0)
+    reward         float              sample_episodes (2): response_reward         advantages, critic loss
     step_starts    list [n]           vine.split_steps (3)                        vine.mc_values, advantages
     old_logp       tensor [T]         old_logprobs (4)                            ppo.ppo_update (ratio)
     step_values    list [n]           vine.mc_values (5, VinePPO); None past cap  vine.episode_advantages
@@ -71,7 +71,7 @@ class Episode:
     math: bool = False                                     # a MATH problem: MATH's grader and steps
 
 
-def grade(ep: Episode, response_ids: list[int], tokenizer) -> float:
+def response_reward(ep: Episode, response_ids: list[int], tokenizer) -> float:
     """R of a whole response (ep's own, or a prefix of it and a continuation) to ep's problem: reward.grade."""
     text = tokenizer.decode(response_ids, skip_special_tokens=True)
     return reward.grade(text, ep.gold, ep.question, ep.math)
@@ -85,7 +85,7 @@ def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> 
                         math=p.get("math", False))
                 for group, (p, cs, fs) in enumerate(zip(problems, conts, done)) for c, f in zip(cs, fs)]
     for ep in episodes:
-        ep.reward = grade(ep, ep.response_ids, sampling.tokenizer) if ep.finished else 0.0
+        ep.reward = response_reward(ep, ep.response_ids, sampling.tokenizer) if ep.finished else 0.0
     return episodes
 
 
@@ -99,7 +99,8 @@ def old_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int
 
 
 def reference_logprobs(ref, episodes: list[Episode], temperature: float, pad_id: int, batch_tokens: int):
-    """Set ep.ref_logp ([T]) under the frozen reference, once per iteration (reference pitfall 11)."""
+    """Set ep.ref_logp ([T]) under the frozen reference model, once per iteration (as the reference's
+    PPOTrainer.step does before its epochs): the KL term's target does not move within an iteration."""
     for chunk in group_chunks(episodes, batch_tokens):
         for ep, lp in zip(chunk, response_logprobs(ref, chunk, temperature, pad_id)[0]):
             ep.ref_logp = lp
@@ -129,7 +130,8 @@ def pad_right(seqs: list[list[int]], pad_id: int, device=None):
 
 
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
-    """log pi(x_{t+1} | x_<=t) [B, L-1] under softmax(logits / T), the sampler (reference §2.3); the cache."""
+    """log pi(x_{t+1} | x_<=t) [B, L-1] under softmax(logits / T), the distribution sampled from (as the
+    reference's PPOTrainer._forward_pass_actor divides by the temperature); the cache."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
     logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
     return logp, (out.cache if keep_cache else None)
@@ -216,7 +218,8 @@ def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, sampling:
 
 
 def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str | None = None):
-    """(row cut after its first EOS, to its budget, and before `stop` then EOS (reference §3.4), ends in EOS).
+    """(row cut after its first EOS, to its budget, and before `stop` then EOS, ends in EOS): text after the
+    stop string is a next problem the model began inventing, never part of the answer.
     HF stops at the token completing `stop`: it lies in the last len(stop) tokens (each adds >= 1 char)."""
     seq = (seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)[:budget]
     body = seq[:-1] if seq and seq[-1] == eos_id else seq

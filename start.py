@@ -3,8 +3,8 @@ start, frozen reference, critic) and optimizers; on --resume, all of it as the l
 --precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup), on CPUs too.
 
 Needs: checkpoint.py, parallel.py, ppo.py (Learner), reward.py (data), rollout.py (padding),
-value.py (Critic). All engineering around the algorithm (the SFT warm start is the reference's §3.3): a first
-reading may skip this file."""
+value.py (Critic). All engineering around the algorithm (the SFT warm start: the loss on the solution's
+tokens only, as the reference's trainers/mle_trainer.py): a first reading may skip this file."""
 import copy
 import fcntl
 import math
@@ -104,8 +104,11 @@ def start_run(cfg, device, autocast):
     cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
     steps_per_iteration = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
     total = cfg.iterations * steps_per_iteration
-    learners = [ppo.Learner(model, lr, total, int(cfg.warmup * total), cfg.fsdp, device)
-                for model, lr in [(policy, cfg.lr), (critic, cfg.critic_lr)] if model is not None]
+    # the policy does not step during --critic-warmup: its schedule spans the iterations after it, down to 0
+    policy_total = max(0, cfg.iterations - cfg.critic_warmup) * steps_per_iteration
+    learners = [ppo.Learner(model, lr, steps, int(cfg.warmup * steps), cfg.fsdp, device)
+                for model, lr, steps in [(policy, cfg.lr, policy_total), (critic, cfg.critic_lr, total)]
+                if model is not None]
     done = checkpoint.restore_training_state(cfg, state, learners)
     return tok, train_set, eval_set, ref, learners[0], (learners[1] if critic is not None else None), done
 
@@ -229,7 +232,7 @@ def sft_examples(tok, problems: list[dict], max_tokens: int) -> list[tuple[list[
 
 
 def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
-    """Supervised warm start (reference §3.3) on the gold (or demonstration) solutions' response tokens."""
+    """Supervised warm start on the gold (or demonstration) solutions: a loss on their response tokens only."""
     rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
     rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
     examples, skipped = sft_examples(tok, problems, cfg.max_prompt_tokens + cfg.max_new_tokens), 0

@@ -132,7 +132,8 @@ def test_space_before_newline_old_boundary_one_token_early(llama_tok):
 
 def test_boundaries_of_gold_solutions_fall_on_their_newlines(llama_tok):
     """Every gold solution, and the same with a space ending each line (as a model may write it):
-    each step after the first starts at the newline token that opens it (reference §1.2)."""
+    each step after the first starts at the newline token that opens it (the reference's
+    GSM8K.split_solution_into_intermediate_steps in tasks/gsm8k.py: a step per line)."""
     tok = llama_tok
     for p in FIXTURE:
         gold = sft_target(p["answer"])  # '\n' + the solution without <<calculator>> notes + '\n'

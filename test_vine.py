@@ -110,7 +110,7 @@ def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
            rollout.Episode([1, 5], [7, 8, 6, 2], "", 0, True, step_starts=[0, 2]),
            rollout.Episode([1, 6], [7, 2], "", 1, True, step_starts=[0])]
     grade = lambda ep, ids, tok: float(ids[-1] < (len(ep.prompt_ids) + len(ids) - 1) % 4)
-    monkeypatch.setattr(rollout, "grade", grade)
+    monkeypatch.setattr(rollout, "response_reward", grade)
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10, eos_id=2, pad_id=0)
     counts = vine.mc_values(None, eps, None, 4, sampling, max_states=25)
     assert counts["mc_states"] == 5   # 6 states, [1,5] shared by the two samples of prompt 0
@@ -125,7 +125,7 @@ def test_mc_values_cap_leaves_none(monkeypatch):
     ep = rollout.Episode([1], [4, 4, 4, 2], "", 0, True, step_starts=[0, 1, 2, 3])
     monkeypatch.setattr(rollout, "sample", lambda m, prefixes, k, b, sampling, **kw: (
         [[[2]] * k for _ in prefixes], [[True] * k for _ in prefixes]))
-    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: 1.0)
+    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: 1.0)
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, pad_id=0)
     vine.mc_values(None, [ep], None, 2, sampling, max_states=2)
     assert ep.step_values == [1.0, 1.0, None, None]
@@ -217,7 +217,7 @@ def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
     assignment = {}
     monkeypatch.setattr(rollout, "sample", lambda model, prefixes, n, budgets, sampling, **kw: (
         [[list(assignment[(tuple(p), j)]) for j in range(n)] for p in prefixes], [[True] * n for _ in prefixes]))
-    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: TREE_REWARD[tuple(ids)])
+    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: TREE_REWARD[tuple(ids)])
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=2, eos_id=2, pad_id=0)
     sums, weights = collections.defaultdict(lambda: [0.0, 0.0]), collections.defaultdict(float)
     continuation_sets = [list(itertools.product(paths(s), repeat=k)) for s in states]
@@ -262,18 +262,18 @@ def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
             [[True] * n for _ in prefixes]
 
     monkeypatch.setattr(rollout, "sample", fake_sample)
-    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: float(ids[-1] == 3))
+    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: float(ids[-1] == 3))
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=2, pad_id=0)
     eps = [rollout.Episode([1], [3, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1]),
            rollout.Episode([1], [4, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1])]
     counts = vine.mc_values(None, eps, None, 3, sampling, max_k=9, increment=2, ci_width=0.05)
     # round 1: 3 states x 3; [1, 3] agrees and stops; [1] and [1, 4] are mixed, straight to 9: one call
-    assert calls == [(3, 3), (2, 6)] and counts["mc_rollouts"] == 3 + 9 + 9 and counts["mc_states"] == 3
+    assert calls == [(3, 3), (2, 6)] and counts["mc_continuations"] == 3 + 9 + 9 and counts["mc_states"] == 3
     assert eps[0].step_values == [4 / 9, 1.0] and eps[1].step_values == [4 / 9, 4 / 9] and eps[0].step_counts == []
     calls.clear()
     counts = vine.mc_values(None, eps, None, 3, sampling, reuse=True, top_up=True)
     # the prompt has one other response through it: 2 continuations; [1, 3] and [1, 4]: none, so 3 each
-    assert calls == [(8, 1)] and counts["mc_rollouts"] == 8  # one call: a row per continuation
+    assert calls == [(8, 1)] and counts["mc_continuations"] == 8  # one call: a row per continuation
     assert eps[0].step_counts == [3, 3] and eps[0].step_values == [1 / 3, 1.0]  # [1]: 4, 4 and ep 1's R
     with pytest.raises(ValueError):
         vine.mc_values(None, eps, None, 3, sampling, top_up=True)
@@ -592,8 +592,8 @@ def test_grpo_zero_variance_group_gets_zero_advantage_and_gradient(monkeypatch):
     ppo.assign_advantages("grpo", eps, 1.0, 1.0, 1.0)
     assert [ep.advantages[0].item() for ep in eps] == pytest.approx([0, 0, 1, -1], abs=1e-5)
     seen, loss = [], ppo.ppo_loss
-    monkeypatch.setattr(ppo, "ppo_loss", lambda logp, old, ref, adv, act, *a: seen.append((adv, act)) or
-                        loss(logp, old, ref, adv, act, *a))
+    monkeypatch.setattr(ppo, "ppo_loss", lambda logp, old, ref, adv, act, *a, **kw: seen.append((adv, act)) or
+                        loss(logp, old, ref, adv, act, *a, **kw))
     for whiten, group_a_is_zero in [(False, True), (True, False)]:
         seen.clear()
         run_update(copy.deepcopy(model), eps, whiten)
@@ -603,6 +603,88 @@ def test_grpo_zero_variance_group_gets_zero_advantage_and_gradient(monkeypatch):
     before = [p.detach().clone() for p in model.parameters()]
     stats = run_update(model, eps[:2], whiten=False)  # only the all-correct group: no gradient at all
     assert stats["grad_norm"] == 0.0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+SPLIT_LENGTHS = [[2, 7, 3], [5, 1, 4]]  # one minibatch of six responses; halves of 12 and 10 tokens
+
+
+def split_episodes():
+    """Six episodes of different lengths, old and reference log-probs off the policy's (ratios clip, the KL
+    is not 0), random advantages, critic values and returns: one minibatch for PPO and a critic."""
+    eps, g = scored_episodes(tiny_llama(), [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]], SPLIT_LENGTHS), torch.Generator()
+    g.manual_seed(5)
+    for ep in eps:
+        n = len(ep.response_ids)
+        ep.old_logp = ep.old_logp + 0.3 * torch.randn(n, generator=g)
+        ep.ref_logp = ep.ref_logp - 0.5 * torch.rand(n, generator=g)
+        ep.advantages = torch.randn(n, generator=g)
+        ep.critic_values, ep.returns = torch.rand(n, generator=g), torch.rand(n, generator=g)
+    return eps
+
+
+def minibatch_gradients(eps, head, micro_batch):
+    """One step of the policy and a critic on eps as one minibatch (under torchrun: this process's share):
+    ([the policy's gradient, the critic's], ppo_update's statistics)."""
+    policy = ppo.Learner(tiny_llama(), 1e-3, 10, 0, False, torch.device("cpu"))
+    critic = ppo.Learner(value.Critic(tiny_llama(seed=1).model, head), 1e-3, 10, 0, False, torch.device("cpu"))
+    grads, step = [], ppo.optimizer_step
+
+    def capture(model, *args, **kwargs):  # the gradient the optimizer is about to step with
+        grads.append([p.grad.clone() for p in model.parameters()])
+        return step(model, *args, **kwargs)
+
+    ppo.optimizer_step = capture
+    try:
+        stats = ppo.ppo_update(eps, policy, critic, epochs=1, minibatch=len(eps), micro_batch=micro_batch,
+                               temperature=1.0, clip=0.2, kl_coef=0.1, value_clip=0.2, move_policy=True,
+                               whiten=True, pad_id=0, device=torch.device("cpu"),
+                               autocast=contextlib.nullcontext())
+    finally:
+        ppo.optimizer_step = step
+    return grads, stats
+
+
+def assert_same_update(a, b):
+    (grads_a, stats_a), (grads_b, stats_b) = a, b
+    for learner_a, learner_b in zip(grads_a, grads_b, strict=True):
+        for x, y in zip(learner_a, learner_b, strict=True):
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-7), (x - y).abs().max()
+    assert stats_a.keys() == stats_b.keys() and stats_a["clipfrac"] > 0 and stats_a["kl"] > 0
+    assert stats_a == pytest.approx(stats_b, rel=1e-5, abs=1e-8)
+
+
+@pytest.mark.parametrize("head", value.HEADS)
+def test_minibatch_gradient_and_losses_do_not_depend_on_the_micro_batch(head):
+    """Every loss is a mean over the whole minibatch's tokens (the BCE heads': states), so micro-batches of
+    1 and 3 responses of different lengths step with the gradient of the whole minibatch, and log its losses."""
+    eps = split_episodes()
+    whole = minibatch_gradients(eps, head, micro_batch=6)
+    for micro_batch in (1, 3):
+        assert_same_update(minibatch_gradients(eps, head, micro_batch), whole)
+
+
+def test_minibatch_gradient_and_losses_do_not_depend_on_the_processes(tmp_path):
+    """torchrun --nproc_per_node 2 (gloo): each process takes half of the minibatch (12 and 10 tokens) in
+    micro-batches of 2 and 1; the averaged gradient and the logged losses are one process's on all six. A
+    non-finite loss on one process skips the step on both and is counted once."""
+    script = tmp_path / "split.py"
+    script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\nimport parallel, test_vine\n"
+                      "rank, world, _ = parallel.init(torch.device('cpu'))\n"
+                      "mine = test_vine.split_episodes()[3 * rank: 3 * rank + 3]\n"
+                      "out = {head: test_vine.minibatch_gradients(mine, head, 2) for head in ('scalar', 'tracking', 'bce')}\n"
+                      "if rank == 1:\n    mine[0].old_logp[0] = float('nan')\n"
+                      "counts = parallel.gather(test_vine.minibatch_gradients(mine, 'scalar', 2)[1]['nonfinite_skips'])\n"
+                      f"if rank == 0:\n    torch.save((out, counts), {str(tmp_path / 'split.pt')!r})\n"
+                      "parallel.close()\n")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(script)], cwd=HERE, env={**OFFLINE, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out, counts = torch.load(tmp_path / "split.pt")
+    eps = split_episodes()
+    for head in value.HEADS:
+        assert_same_update(out[head], minibatch_gradients(eps, head, micro_batch=6))
+    assert sum(counts) == 1
 
 
 def test_dropout_only_inside_updates():
@@ -790,6 +872,10 @@ def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
                 "approx_kl", "tokens_generated", "seconds", *train.PHASES):
         assert key in rows[-1]
     assert rows[1]["mc_states"] > 0 and (tmp_path / "samples.jsonl").exists()
+    assert all(row["mc_continuations"] == 2 * row["mc_states"] for row in rows[1:])  # K = 2 per state
+    # time_save: the previous iteration's checkpoint (none before the first); seconds: training, evaluation aside
+    assert rows[1]["time_save"] == 0.0 and rows[2]["time_save"] > 0 and rows[2]["time_eval"] > 0
+    assert rows[2]["seconds"] == pytest.approx(sum(rows[2][phase] for phase in train.TRAINING))
     # the settings that differ from the defaults, the demo's included, printed first; all in config.json
     printed = r.stdout.split("settings (")[1].splitlines()[0]
     assert "--sft-steps 3 " in printed and "--lr 0.0001 " in printed and "--algo" not in printed
@@ -804,7 +890,7 @@ def test_adaptive_mc_with_reused_responses_runs(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][1:]
     for row in rows:  # 2 continuations per state first, then 4 more where they disagree
-        assert 2 * row["mc_states"] <= row["mc_rollouts"] <= 6 * row["mc_states"] and row["mc_tokens"] > 0
+        assert 2 * row["mc_states"] <= row["mc_continuations"] <= 6 * row["mc_states"] and row["mc_tokens"] > 0
 
 
 @pytest.mark.parametrize("algo", ["ppo", "tppo", "grpo"])
@@ -814,6 +900,7 @@ def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1, 2] and "policy_loss" in rows[-1]
+    assert rows[-1]["lr"] == 0.0  # the policy's schedule ends at 0, after a --critic-warmup too
     if warmup:  # the first iteration trains the critic only
         assert "policy_loss" not in rows[1] and "value_loss" in rows[1]
     AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")

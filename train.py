@@ -85,10 +85,12 @@ class Config:
     value_head: str = arg("", "ppo/tppo critic head: scalar | tracking | bce (default: scalar, tppo: tracking)",
                           one_of("", *value.HEADS))
     critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)", at_least(0))
-    critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves", at_least(0))
+    critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves (its LR "
+                                "schedule spans the iterations after them)", at_least(0))
     gamma: float = arg(1.0, "GAE discount", between(0, 1))
     lam: float = arg(1.0, "GAE lambda of the policy's advantages", between(0, 1))
-    lam_critic: float = arg(1.0, "GAE lambda of the critic's targets", between(0, 1))
+    lam_critic: float = arg(1.0, "GAE lambda of the scalar head's targets (the tracking and bce heads learn "
+                                 "the outcome R, whatever it is)", between(0, 1))
     value_clip: float = arg(0.2, "clip range of the scalar critic around its old values", above(0))
     epochs: int = arg(2, "PPO epochs over each iteration's episodes", at_least(1))
     minibatch: int = arg(64, "episodes per optimizer step", at_least(1))
@@ -152,8 +154,9 @@ def main(cfg: Config):
         if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
             checkpoint.save_training_state(cfg, 0, tok, policy, critic)
 
+    watch = None  # the last iteration's: the next one's time_save counts from its last lap
     for it in range((done or 0) + 1, cfg.iterations + 1):
-        watch = Stopwatch()  # the seconds of each phase: the time_* metrics
+        watch = Stopwatch(watch)  # the seconds of each phase: the time_* metrics
         # 1-3. prompts (the reference shuffles with seed + iteration), responses and rewards, step boundaries
         problems = reward.draw_problems(train_set, cfg.prompts_per_iter, cfg.seed + it, rank, world)
         with autocast, parallel.whole(policy.model):  # FSDP: full weights while processes sample apart
@@ -194,12 +197,12 @@ def main(cfg: Config):
                                move_policy=it > cfg.critic_warmup, whiten=cfg.algo != "grpo",
                                pad_id=sampling.pad_id, device=device, autocast=autocast)
         watch.lap("time_update")
-        # 9. log, evaluate, checkpoint: every N iterations (N = 0: never) and at the last one
+        # 9. evaluate, log, checkpoint: every N iterations (N = 0: never) and at the last one
         due = lambda every: it == cfg.iterations or (every > 0 and it % every == 0)
+        scores = evaluate(policy.model, eval_set, cfg, sampling, autocast, it) if due(cfg.eval_every) else {}
+        watch.lap("time_eval")
         row = {"iteration": it, **iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, watch)}
-        if due(cfg.eval_every):
-            row.update(evaluate(policy.model, eval_set, cfg, sampling, autocast, it))
-        log(cfg.out, row)
+        log(cfg.out, {**row, **scores})
         if due(cfg.save_every):
             checkpoint.save_training_state(cfg, it, tok, policy, critic)
     return policy.model
@@ -264,16 +267,19 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 
-PHASES = ("time_rollout", "time_logprobs", "time_mc_values", "time_critic_values", "time_advantages",
-          "time_reference", "time_update")
+TRAINING = ("time_rollout", "time_logprobs", "time_mc_values", "time_critic_values", "time_advantages",
+            "time_reference", "time_update")  # their sum: `seconds`, what compare.py's equal wall-clock counts
+PHASES = (*TRAINING, "time_eval", "time_save")  # time_save: the previous iteration's log and checkpoint
 
 
 class Stopwatch(dict):
     """Seconds per phase: lap(phase) adds the time since the last lap (or the start) to it."""
 
-    def __init__(self):
+    def __init__(self, previous=None):
         super().__init__(dict.fromkeys(PHASES, 0.0))
         self.began = self.last = time.time()
+        if previous is not None:  # the previous iteration's time after its last lap: its log and checkpoint
+            self["time_save"] = self.began - previous.last
 
     def lap(self, phase: str):
         now = time.time()
@@ -286,12 +292,12 @@ def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict,
     n_tokens = sum(len(ep.response_ids) for ep in episodes)
     counts = {k: stats.pop(k) for k in ("skipped_batches", "nonfinite_skips")}
     counts.update(prompts=len({ep.group for ep in episodes}), episodes=len(episodes),
-                  mc_states=mc_counts["mc_states"], mc_rollouts=mc_counts["mc_rollouts"],
+                  mc_states=mc_counts["mc_states"], mc_continuations=mc_counts["mc_continuations"],
                   mc_tokens=mc_counts["mc_tokens"], tokens_generated=n_tokens + mc_counts["mc_tokens"])
     means = {"train_reward": sum(ep.reward for ep in episodes) / len(episodes), **stats,
              "response_tokens": n_tokens / len(episodes), "lr": policy.scheduler.get_last_lr()[0],
              **diagnostics}
-    times = {**watch, "seconds": watch.last - watch.began}
+    times = {**watch, "seconds": sum(watch[phase] for phase in TRAINING)}
     return parallel.merge_metrics(parallel.gather((counts, means, times)))
 
 

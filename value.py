@@ -1,16 +1,16 @@
 """Critics: the policy's backbone with an fp32 value head; column t belongs to s_t, the state ending at token t.
-  - "scalar":   V_t = w.H_t + c, MSE with value clipping (the PPO baseline; reference §2.7).
+  - "scalar":   V_t = w.H_t + c, MSE with value clipping (the PPO baseline; as the reference's
+                trainers/ppo_trainer.py, PPOTrainer._compute_critics_loss).
   - "tracking": TPPO: z_t = b + sum_{P <= i <= t} h_i, V_t = sigmoid(z_t) (b at P-1; a Bayes step per token),
                 BCE-with-logits against the outcome at every state s_0..s_T (s_T trains h at EOS).
   - "bce":      z_t = w.H_t + c, the same BCE loss without the sum: the control for the loss alone.
 
-Needs: ppo.py (masked_mean), rollout.py (padding, forward batches). All of it is the algorithm of PPO/TPPO."""
+Needs: rollout.py (padding, forward batches). All of it is the algorithm of PPO/TPPO."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import rollout
-from ppo import masked_mean
 
 HEADS = ("scalar", "tracking", "bce")
 
@@ -42,18 +42,26 @@ class Critic(nn.Module):
         out = self(ids, mask, prompt_lens)[:, : ids.shape[1] - 1]
         return out if self.head_type == "scalar" else torch.sigmoid(out)
 
-    def loss(self, out, old_values, returns, rewards, mask, clip: float = 0.2):
-        """(loss, stats): returns [B, L-1] are the scalar head's targets, rewards [B] the BCE heads'."""
+    def loss_mask(self, action_mask):
+        """The entries the loss averages: the actions' states (scalar), or s_0..s_T (BCE heads: [B, L])."""
+        return action_mask if self.head_type == "scalar" else response_states(action_mask)
+
+    def loss(self, out, old_values, returns, rewards, mask, clip: float = 0.2, n=None):
+        """(loss, stats): returns [B, L-1] are the scalar head's targets, rewards [B] the BCE heads' (the
+        outcome R: --lam-critic shapes only the scalar head's returns). A mean over the n entries of the
+        minibatch's loss_mask (all micro-batches and processes; default: these rows'): these rows' share."""
+        terms = self.loss_mask(mask)
+        n = terms.sum().clamp(min=1) if n is None else n
+        total = lambda x: (x * terms).sum() / n
         if self.head_type == "scalar":
-            # 0.5 * mean max((V - R)^2, (clip(V, V_old +- eps) - R)^2)   (reference §2.7)
+            # 0.5 * mean max((V - R)^2, (clip(V, V_old +- eps) - R)^2)
             clipped = old_values + (out - old_values).clamp(-clip, clip)
-            loss = 0.5 * masked_mean(torch.max((out - returns) ** 2, (clipped - returns) ** 2), mask)
-            clipfrac = masked_mean(((out - old_values).abs() > clip).float(), mask).item()
+            loss = 0.5 * total(torch.max((out - returns) ** 2, (clipped - returns) ** 2))
+            clipfrac = total(((out - old_values).abs() > clip).float()).item()
             return loss, {"value_loss": loss.item(), "value_clipfrac": clipfrac}
         # BCE-with-logits against the outcome (clamped into [0, 1]) at every state of the response, s_T too
         target = rewards.clamp(0.0, 1.0)[:, None].expand_as(out)
-        bce = F.binary_cross_entropy_with_logits(out, target, reduction="none")
-        loss = masked_mean(bce, response_states(mask))
+        loss = total(F.binary_cross_entropy_with_logits(out, target, reduction="none"))
         return loss, {"value_loss": loss.item(), "value_clipfrac": 0.0}
 
 

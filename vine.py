@@ -4,12 +4,14 @@ of a response, K more continuations; every token of step i takes A_i (the KL ter
     V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)                        (unbiased MC value)
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),  r_i = R * [i = n-1],  V(s_n) = 0  (gamma = 1)
 
-Cheaper, each optional (mc_values): adaptive K (the reference's rule); reuse, the response R as one more
-sample of V(s_{i+1}) in A_i, never of V(s_i): A_i = r_i + (n V_hat(s_{i+1}) + R) / (n + 1) - V_hat(s_i).
+n is the number of steps. Cheaper, each optional (mc_values): adaptive K (the reference's rule); reuse, the
+response R as one more sample of V(s_{i+1}) in A_i, never of V(s_i): with m the samples behind V_hat(s_{i+1}),
+A_i = r_i + (m V_hat(s_{i+1}) + R) / (m + 1) - V_hat(s_i).
 
 Needs: rollout.py (Episode, Sampling, sample: the forks), math_grader.py (where MATH's steps are cut).
-Algorithm: split_steps, mc_values, step_advantages, episode_advantages (more_rollouts, responses_through and
-continuation_rewards serve mc_values); the text-to-token mapping after the engineering line may be skipped.
+Algorithm: split_steps, mc_values, step_advantages, episode_advantages (the functions between mc_values and
+step_advantages serve it: the cheaper settings' rules, the states, the sampling rounds); the text-to-token
+mapping after the engineering line may be skipped.
 """
 from bisect import bisect_right
 from collections import Counter
@@ -30,10 +32,13 @@ def split_steps(episodes: list[rollout.Episode], tok):
 def mc_values(model, episodes: list[rollout.Episode], cache, k: int, sampling: rollout.Sampling,
               max_states: int = 0, *, max_k: int = 0, increment: int = 4, ci_width: float = 0.05,
               reuse: bool = False, top_up: bool = False) -> Counter:
-    """ep.step_values[i] = V_hat(s_i): the mean reward of k continuations of each of the first max_states
-    states (0: all), forked from `cache` (row e holds episodes[e], as rollout.old_logprobs leaves it); each
-    distinct state once, graded with its prefix (reference pitfall 4). -> counts of states, continuations,
-    tokens. The ways to spend fewer continuations, all off by default (the paper's fixed K):
+    """VinePPO's MC value (§4): ep.step_values[i] = V_hat(s_i) = 1/K sum_k R(s_i + continuation_k), K = k, for
+    the first max_states states of each response (0: all; past them None: the return stands in). Each
+    distinct state once, its continuations forked from `cache` (row e holds episodes[e], as
+    rollout.old_logprobs leaves it) and graded as the state's response prefix + the continuation.
+    -> counts of states, continuations, tokens.
+    The cheaper settings, all off by default (the paper's fixed K), change only how many continuations a
+    state gets (continuations_wanted, more_rollouts) and which rewards its mean takes (value_samples):
     max_k > 0   adaptive, as the reference's ciAwre_10ir_4nr_ci0.05 config: k first, then `increment` more
                 while the 95% interval of the mean is wider than ci_width, up to max_k (more_rollouts);
     reuse       each sampled response is one more continuation of every state it passes through: it joins
@@ -43,21 +48,36 @@ def mc_values(model, episodes: list[rollout.Episode], cache, k: int, sampling: r
                 k minus the other responses through it (0 for the prompt of a group of k + 1 or more)."""
     if top_up and (max_k or not reuse):
         raise ValueError("top_up needs reuse, and counts the responses as continuations: not with max_k")
-    states = distinct_states(episodes, max_states)
+    states = distinct_states(episodes, max_states)  # every distinct state s_i once
     through = responses_through(states, episodes) if reuse else {}
-    wanted = {key: max(0, k - len(through[key]) + 1) if top_up else k for key in states}
+    wanted = {key: continuations_wanted(k, through, key, top_up) for key in states}  # K each, at fixed K
     more = (lambda rewards: more_rollouts(rewards, increment, max_k, ci_width)) if max_k else None
     rewards, tokens = continuation_rewards(model, episodes, cache, states, wanted, sampling, more)
+    for e, ep in enumerate(episodes):  # at fixed K: V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)
+        samples = [value_samples(key, e, rewards, through, episodes) for key in state_keys(ep, max_states)]
+        ep.step_values = [None if s is None else sum(s) / len(s) for s in samples]
+        ep.step_counts = [None if s is None else len(s) for s in samples] if reuse else []
+    return Counter(mc_states=len(states), mc_continuations=sum(map(len, rewards.values())), mc_tokens=tokens)
+
+
+def state_keys(ep: rollout.Episode, max_states: int = 0) -> list:
+    """The tokens of each state s_i of ep (prompt + response up to step i), None past the first max_states."""
     capped = lambda i: max_states and i >= max_states  # max_states 0: no cap
-    for e, ep in enumerate(episodes):
-        keys = [None if capped(i) else tuple(ep.prompt_ids + ep.response_ids[:b])
-                for i, b in enumerate(ep.step_starts)]
-        others = lambda key: [episodes[o].reward for o in through.get(key, ()) if o != e]
-        pools = [None if key is None else rewards[key] + others(key)  # the samples of this episode's
-                 for key in keys]                                     # baseline V_hat(s_i)
-        ep.step_values = [None if pool is None else sum(pool) / len(pool) for pool in pools]
-        ep.step_counts = [None if pool is None else len(pool) for pool in pools] if reuse else []
-    return Counter(mc_states=len(states), mc_rollouts=sum(map(len, rewards.values())), mc_tokens=tokens)
+    return [None if capped(i) else tuple(ep.prompt_ids + ep.response_ids[:b])
+            for i, b in enumerate(ep.step_starts)]
+
+
+def continuations_wanted(k: int, through: dict, key, top_up: bool) -> int:
+    """Continuations a state gets first: k, or with top_up k minus the other responses through it."""
+    return max(0, k - len(through[key]) + 1) if top_up else k
+
+
+def value_samples(key, e: int, rewards: dict, through: dict, episodes) -> list[float] | None:
+    """The rewards behind episode e's V_hat of state `key`: its continuations', and with reuse those of the
+    other responses through it (never e's own, which continues this state's action); None past the cap."""
+    if key is None:
+        return None
+    return rewards[key] + [episodes[o].reward for o in through.get(key, ()) if o != e]
 
 
 def more_rollouts(rewards: list[float], increment: int, max_k: int, ci_width: float) -> int:
@@ -114,8 +134,8 @@ def continuation_rewards(model, episodes, cache, states: dict, wanted: dict, sam
                                          rows=[states[key][0] for key in keys])
         for key, cs, fs in zip(keys, conts, finished):
             e, b = states[key]
-            ep = episodes[e]
-            rewards[key] += [rollout.grade(ep, ep.response_ids[:b] + c, sampling.tokenizer) if f else 0.0
+            ep, prefix = episodes[e], episodes[e].response_ids[:b]
+            rewards[key] += [rollout.response_reward(ep, prefix + c, sampling.tokenizer) if f else 0.0
                              for c, f in zip(cs, fs)]
             tokens += sum(map(len, cs))
         todo = {key: more(rewards[key]) for key in todo} if more else {}
@@ -125,9 +145,9 @@ def continuation_rewards(model, episodes, cache, states: dict, wanted: dict, sam
 
 def step_advantages(values: list[float], reward: float, counts: list[int] | None = None) -> list[float]:
     """A_i = r_i + V(s_{i+1}) - V(s_i) (VinePPO §4); a None value (past the cap) takes the realised return.
-    counts (reuse): the samples behind each V(s_i). The response is one more continuation of s_{i+1}, so it
-    joins V(s_{i+1}) in A_i, (n V + R) / (n + 1): E[A_i | s_i, a_i] = Q(s_i, a_i) - V(s_i) still. Never V(s_i),
-    the baseline of the step whose action it continues: that would shrink E[A_i] by n / (n + 1)."""
+    counts (reuse): m, the samples behind each V(s_i). The response is one more continuation of s_{i+1}, so it
+    joins V(s_{i+1}) in A_i, (m V + R) / (m + 1): E[A_i | s_i, a_i] = Q(s_i, a_i) - V(s_i) still. Never V(s_i),
+    the baseline of the step whose action it continues: that would shrink E[A_i] by m / (m + 1)."""
     n, v = len(values), list(values) + [0.0]
     r = [0.0] * (n - 1) + [reward]  # r_i = R * [i = n-1]
     for i in reversed(range(n)):
@@ -156,7 +176,8 @@ def episode_advantages(ep: rollout.Episode) -> torch.Tensor:
 def step_starts(token_texts: list[str]) -> list[int]:
     """Token index where each step starts, by the reference's rule (tasks/gsm8k.py) on the tokens' text: a
     step opens at each line; leading empty lines join the first; the last non-empty line, empty lines after
-    it and the answer ('\\n####') form one; a token is in its first character's step (reference pitfall 5)."""
+    it and the answer ('\\n####') form one; a token is in its first character's step, so a step's tokens
+    are exactly those whose text begins inside it."""
     text = "".join(token_texts)
     answer_at = text.find("\n####")
     lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
