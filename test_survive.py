@@ -376,12 +376,14 @@ def start_in_process(*args):
     try:
         return start.start_run(cfg, cpu, start.autocast(cpu, "fp32"))
     finally:
-        start.held_lock.close()
+        if start.held_lock is not None:
+            start.held_lock.close()
 
 
 def earlier_run(out, tiny, iterations=1, *args):
     """A run's files as train.py leaves them (its settings: those of `args`), checkpoint at iteration 1."""
     checkpoint.save_checkpoint(str(out), tiny[1], tiny[0], {"iteration": 1, "optimizers": [], "rng": []})
+    checkpoint.save_checkpoint(str(out), tiny[1], tiny[0], name="reference")
     (out / "metrics.jsonl").write_text('{"iteration": 0}\n{"iteration": 1}\n')
     checkpoint.record_settings(train.parse_args(["--out", str(out), "--iterations", str(iterations), *args]))
 
@@ -418,7 +420,7 @@ def test_overwrite_that_is_refused_leaves_the_earlier_run(tmp_path, tiny, bad):
     with pytest.raises(DataError):
         start_in_process("--out", str(out), "--overwrite", "--sft-steps", "0", *bad)
     assert files(out) == before and sorted(os.listdir(out)) == [".lock", "checkpoint", "config.json",
-                                                                 "metrics.jsonl", "tiny-init"]
+                                                                 "metrics.jsonl", "reference", "tiny-init"]
 
 
 def test_a_resume_refused_for_a_damaged_row_leaves_config_json(tmp_path, tiny):
@@ -453,14 +455,9 @@ def test_prompts_that_fill_the_context_are_dropped_and_ppo_trains(tmp_path, caps
     """Prompts longer than the model's context (512 tokens: characters, for the tiny model) but under
     --max-prompt-tokens: ppo ended in an IndexError, vineppo and grpo sampled empty responses."""
     data = tmp_path / "long.jsonl"
-    rows = [{"question": f"What is {i}+1?" + ("" if i % 4 else " Think." * 90), "answer": f"#### {i + 1}"}
-            for i in range(40)]
+    rows = [{"question": f"What is {i}+1?" + (" Think." * 90 if i % 4 else ""), "answer": f"#### {i + 1}"}
+            for i in range(80)]  # 3 in 4 over the context: every draw of 4 is likely to hold one
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    problems = [{"prompt_ids": [0] * n} for n in (510, 511, 512, 600)]
-    assert len(start.drop_long_prompts(problems, 1512, "training", context=512)) == 2
-    assert "skipped 2 of 4 training problems: prompt over the model's context of 512 tokens less one for the " \
-           "response" in capsys.readouterr().out
-    assert len(start.drop_long_prompts(problems, 510, "training", context=512)) == 1  # the flag's rule
     cfg = train.parse_args(["--out", str(tmp_path / "out"), "--data", str(data), "--algo", "ppo", *SMALL,
                             "--iterations", "1", "--sft-steps", "0", "--eval-every", "0", "--save-every", "0"])
     cfg.precision = "fp32"
@@ -469,6 +466,11 @@ def test_prompts_that_fill_the_context_are_dropped_and_ppo_trains(tmp_path, caps
     said = capsys.readouterr().out
     assert re.search(r"skipped \d+ of \d+ training problems: prompt over the model's context of 512", said)
     assert [row["iteration"] for row in numbers(tmp_path / "out")] == [0, 1]
+    problems = [{"prompt_ids": [0] * n} for n in (510, 511, 512, 600)]
+    assert len(start.drop_long_prompts(problems, 1512, "training", context=512)) == 2
+    assert "skipped 2 of 4 training problems: prompt over the model's context of 512 tokens less one for the " \
+           "response" in capsys.readouterr().out
+    assert len(start.drop_long_prompts(problems, 510, "training", context=512)) == 1  # the flag's rule
 
 
 # ---- settings that would do nothing, or something else ----------------------------------------
