@@ -2,9 +2,12 @@
 to continue a run exactly. Needs: parallel.py, value.py (the critic), reward.py (DataError). All engineering:
 a first reading may skip this file."""
 import dataclasses
+import hashlib
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 
 import torch
@@ -16,9 +19,10 @@ from reward import DataError, first_line
 
 ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's SFT checkpoint
 MATH_ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-MATH"}  # and its MATH one (--data math)
-# what a resumed run cannot change: its models, data and what the reference was made from
-RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "arith_steps", "arith_slip",
-                     "arith_traps", "sft_steps", "sft_lr", "sft_batch")
+# what a resumed run cannot change: its models, what it trains on and is evaluated on (the contents of
+# .jsonl files too: data_files), what the reference was made from
+RESUME_MUST_MATCH = ("model", "data", "eval_data", "eval_problems", "max_prompt_tokens", "algo", "value_head",
+                     "fsdp", "seed", "arith_steps", "arith_slip", "arith_traps", "sft_steps", "sft_lr", "sft_batch")
 RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
 # what else a run writes in --out (or a kill leaves there): --overwrite removes these too
 LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "metrics.jsonl.tmp",
@@ -36,8 +40,19 @@ def record_settings(cfg):
     path = os.path.join(cfg.out, "config.json")
     tqdm.write(f"settings ({path} has all): {' '.join(changed) or 'the defaults'}")
     with open(path + ".tmp", "w") as f:
-        json.dump(settings, f, indent=1)
+        json.dump({**settings, "data_files": data_files(cfg)}, f, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def data_files(cfg) -> dict:
+    """The SHA-256 of each .jsonl the run reads (--data, --eval-data): a resumed run must read the same."""
+    digests = {}
+    for name in ("data", "eval_data"):
+        path = getattr(cfg, name)
+        if path.endswith(".jsonl"):
+            with open(path, "rb") as f:
+                digests[name] = hashlib.sha256(f.read()).hexdigest()
+    return digests
 
 
 def recorded_settings(out: str) -> dict:
@@ -77,12 +92,18 @@ def build_tiny_model(path: str, seed: int):
     tok.save_pretrained(path)
 
 
-def load_model(name: str, device, trust_remote_code: bool = False, resuming: bool = False):
-    """(tokenizer, model) from a hub id or a directory; resuming: a directory of the run in --out."""
+def load_model(name: str, device, trust_remote_code=False, resuming: bool = False, flag: str = "--model"):
+    """(tokenizer, model) from a hub id or a directory; resuming: a directory of the run in --out; flag: the
+    setting that named it, for the messages."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    # a hub id is 'name' or 'owner/name'; anything else (./x, /x, a/b/c) can only be a local directory
+    hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) and not name.startswith(".")
     try:
-        if (resuming or name.startswith((".", "/"))) and not os.path.isdir(name):  # a path, not a hub id
+        if (resuming or not hub_id) and not os.path.isdir(name):
             raise FileNotFoundError("no such directory")
+        if os.path.isdir(name) and not os.path.exists(os.path.join(name, "config.json")):
+            raise FileNotFoundError("a directory without config.json: expected one written by save_pretrained "
+                                    "(model and tokenizer)")
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code)
@@ -91,9 +112,10 @@ def load_model(name: str, device, trust_remote_code: bool = False, resuming: boo
         if resuming:  # the run's own files, not a setting the user gave
             raise start_again(f"{name} cannot be loaded ({first_line(e)})") from None
         if isinstance(e, FileNotFoundError):
-            raise DataError(f"--model {name!r}: no such directory") from None
-        raise DataError(f"--model {name!r}: cannot load it ({first_line(e)}); offline, point "
-                        "--model at a local directory written by save_pretrained (model and tokenizer); also "
+            raise DataError(f"{flag} {name!r}: {first_line(e)}") from None
+        local = "" if os.path.isdir(name) else "no local directory of that name, nor on the hub: "
+        raise DataError(f"{flag} {name!r}: cannot load it ({local}{first_line(e)}); offline, point "
+                        f"{flag} at a local directory written by save_pretrained (model and tokenizer); also "
                         f"accepted: 'tiny', {', '.join(sorted(ALIASES))} or a reachable hub id") from None
     return tok, model
 
@@ -136,7 +158,7 @@ def load_critic(checkpoint: str, device):
         return None
     from transformers import AutoModel
     try:
-        head = torch.load(os.path.join(path, "value_head.pt"), map_location="cpu", weights_only=True)
+        head = load_plain(os.path.join(path, "value_head.pt"))
         critic = value.Critic(AutoModel.from_pretrained(path), head["head"])
         critic.head.load_state_dict(head["state"])
     except Exception as e:  # a PPO run's checkpoint without its critic cannot continue
@@ -164,7 +186,7 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
         tqdm.write(f"--resume: no checkpoint in {cfg.out} yet, starting from scratch")
         return None, None
     try:
-        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+        state = load_plain(os.path.join(path, "trainer_state.pt"))
     except Exception as e:  # a damaged file: refuse, never start over on top of the results
         raise DataError(f"--resume: {path}/trainer_state.pt cannot be read ({first_line(e)})") from None
     check_shape(state, f"{path}/trainer_state.pt")
@@ -173,6 +195,11 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
         if settings.get(key) != getattr(cfg, key):
             raise DataError(f"--resume: {cfg.out} was written with --{key.replace('_', '-')} "
                             f"{settings.get(key)!r}, not {getattr(cfg, key)!r}")
+    recorded = settings.get("data_files")  # None: written before the files were recorded, unchecked
+    for key, digest in data_files(cfg).items():
+        if isinstance(recorded, dict) and recorded.get(key) != digest:
+            raise DataError(f"--resume: --{key.replace('_', '-')} {getattr(cfg, key)} has changed since "
+                            f"{cfg.out} was written; the run would train or evaluate on other problems")
     if state["iteration"] >= cfg.iterations and parallel.rank() == 0:
         tqdm.write(f"--resume: the checkpoint is at iteration {state['iteration']}, --iterations "
                    f"{cfg.iterations}: nothing to train")
@@ -180,6 +207,17 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
         tqdm.write(f"--resume: --iterations {cfg.iterations}, not {settings['iterations']}: "
                    f"the LR schedule is stretched to end at iteration {cfg.iterations}")
     return path, state
+
+
+def load_plain(path: str):
+    """torch.load of tensors and plain data only (weights_only): a file holding anything else is refused
+    with what it holds, not with torch's advice to load it unsafely."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise ValueError(f"it holds {found.group(1) if found else 'objects'}, not only tensors and plain data; "
+                         "train.py does not write such files") from None
 
 
 def check_shape(state, path: str):
@@ -207,24 +245,30 @@ def save_training_state(cfg, iteration: int, tok, policy, critic):
 
 
 def restore_training_state(cfg, state: dict | None, learners: list) -> int | None:
-    """The last iteration done (None: a fresh run); on resume, the states restored and files cut back."""
-    paths = [os.path.join(cfg.out, name) for name in ("metrics.jsonl", "samples.jsonl")]
+    """The last iteration done (None: a fresh run); on resume, the optimizers, schedules and random streams."""
     if state is None:
-        if parallel.rank() == 0:
-            for path in paths:
-                open(path, "w").close()
         return None
     try:
         restore_states(cfg, state, learners)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         raise start_again(f"the trainer state in {cfg.out} does not fit this run ({first_line(e)})") from None
-    if parallel.rank() == 0:
-        for path in filter(os.path.exists, paths):
-            rows = rows_up_to(path, state["iteration"])
-            with open(path + ".tmp", "w") as f:
-                f.writelines(rows)
-            os.replace(path + ".tmp", path)
     return state["iteration"]
+
+
+def rows_to_keep(out: str, state: dict | None) -> dict:
+    """{path: rows} of metrics.jsonl and samples.jsonl as the run goes on from them (write_rows): none for a
+    fresh run, the rows up to the checkpoint on resume (read here, before the run writes anything)."""
+    paths = [os.path.join(out, name) for name in ("metrics.jsonl", "samples.jsonl")]
+    if state is None:
+        return dict.fromkeys(paths, [])
+    return {path: rows_up_to(path, state["iteration"]) for path in paths if os.path.exists(path)}
+
+
+def write_rows(rows: dict):
+    for path, kept in rows.items():
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 
 def restore_states(cfg, state: dict, learners: list):

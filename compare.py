@@ -20,16 +20,19 @@ import statistics
 import subprocess
 import sys
 
+import ppo
 import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run(out: str, *args):
-    """Run train.py to completion, unless `out` holds a finished run (its `finished` file)."""
+    """Run train.py to completion, unless `out` holds a finished run (its `finished` file). A run that
+    fails has said why in its own line: compare.py stops with its exit status."""
     if not os.path.exists(os.path.join(out, "finished")):  # leftovers of an unfinished run are replaced
-        subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--out", out, "--overwrite", *args],
-                       check=True)
+        done = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--out", out, "--overwrite", *args])
+        if done.returncode:
+            sys.exit(done.returncode)
         open(os.path.join(out, "finished"), "w").close()
 
 
@@ -131,7 +134,8 @@ def as_flags(settings: dict) -> list[str]:
     return [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def main():
+def parse_args(argv=None):
+    """(args, seeds, chain lengths, {method: its train.py flags}), each checked: one line and exit 2 if not."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="compare", help="directory for all runs (finished runs are reused)")
     p.add_argument("--chains", default="6-8,10-12", help="comma-separated --arith-steps settings")
@@ -145,14 +149,38 @@ def main():
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--eval-problems", type=int, default=200, help="held-out problems per evaluation")
     p.add_argument("--jobs", type=int, default=2, help="chain lengths run side by side, one torch thread each")
-    args = p.parse_args()
-    seeds, chain_lengths = [int(s) for s in args.seeds.split(",")], args.chains.split(",")
-    methods = {algo: ["--algo", algo] for algo in args.algos.split(",")}  # name -> its train.py flags
+    p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)  # one line, no usage
+    args = p.parse_args(argv)
+    if not all(s.isdigit() for s in args.seeds.split(",")):
+        p.error(f"--seeds {args.seeds!r}: expected comma-separated integers >= 0")
+    chain_lengths = args.chains.split(",")
+    for chains in chain_lengths:  # train.py's own rules for --arith-steps, once here rather than in each run
+        (test, expected), most = train.STEPS, 8 if not args.traps else float("inf")
+        if not test(chains) or int(chains.split("-")[1]) > most:
+            p.error(f"--chains {args.chains!r}: expected comma-separated {expected}"
+                    + (", at most 8 steps without --traps" if not args.traps else ""))
+    if not train.TRAPS[0](args.traps):
+        p.error(f"--traps {args.traps!r}: expected {train.TRAPS[1]}")
+    if not 0 <= args.slip <= 1:
+        p.error(f"--slip {args.slip}: expected between 0 and 1")
+    for name in ("iterations", "eval_every", "eval_problems", "jobs"):
+        if getattr(args, name) < (1 if name == "jobs" else 0):
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= {1 if name == 'jobs' else 0}")
+    algos = args.algos.split(",")
+    if not all(algo in ppo.ALGOS for algo in algos) or len(set(algos)) < len(algos):
+        p.error(f"--algos {args.algos!r}: expected distinct names of {', '.join(ppo.ALGOS)}, comma-separated")
+    methods = {algo: ["--algo", algo] for algo in algos}  # name -> its train.py flags
     if args.variant:
-        name, flags = args.variant.split("=", 1)
-        if not name.startswith("vineppo"):
-            p.error(f"--variant {args.variant!r}: expected NAME=FLAGS with NAME starting with vineppo")
+        name, _, flags = args.variant.partition("=")
+        if not name.startswith("vineppo") or not flags.strip() or name in methods:
+            p.error(f"--variant {args.variant!r}: expected NAME=FLAGS, NAME starting with vineppo (not one of "
+                    "--algos), FLAGS train.py's")
         methods[name] = ["--algo", "vineppo", *flags.split()]
+    return args, [int(s) for s in args.seeds.split(",")], chain_lengths, methods
+
+
+def main():
+    args, seeds, chain_lengths, methods = parse_args()
     if args.jobs > 1 and len(chain_lengths) > 1:  # one process per chain length; then report from their runs
         os.makedirs(args.out, exist_ok=True)
         logs = [open(os.path.join(args.out, f"chains{c}.log"), "w") for c in chain_lengths]

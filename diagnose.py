@@ -48,10 +48,11 @@ import torch
 
 import ppo
 import rollout
+import train
 import value
 import vine
 from checkpoint import load_critic, load_model
-from reward import STOP, DataError, encode_prompt, grade, load_problems
+from reward import STOP, DataError, encode_prompt, first_line, grade, load_problems
 
 
 def pairwise_accuracy(groups) -> float:
@@ -113,44 +114,102 @@ def critic_value(critic, prompt, prefix, pad) -> float:
     return values[0, -1].item()
 
 
+def count(low: int):
+    """An argparse type: an integer of at least `low`, else one line that says so."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = None
+        if n is None or n < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {low}")
+        return n
+    return parse
+
+
+def counts(text: str) -> list[int]:
+    """--k: comma-separated integers >= 1."""
+    return [count(1)(k) for k in text.split(",")]
+
+
+def rule(test, expected: str):
+    """An argparse type from one of train.py's rules: the text if it passes, else one line."""
+    def parse(text: str) -> str:
+        if not test(text):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
+        return text
+    return parse
+
+
+def real(test, expected: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = None
+        if v is None or not test(v):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
+        return v
+    return parse
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)  # one line, no usage
     p.add_argument("--checkpoint", required=True, help="a train.py checkpoint (critic/ inside is used)")
     p.add_argument("--data", default="arith")
-    p.add_argument("--arith-steps", default="2-5", help="arith only: steps per chain, MIN-MAX, as in training")
-    p.add_argument("--arith-traps", default="", help="arith only: traps per chain, MIN-MAX, as in training")
+    p.add_argument("--arith-steps", default="2-5", type=rule(*train.STEPS),
+                   help="arith only: steps per chain, MIN-MAX, as in training")
+    p.add_argument("--arith-traps", default="", type=rule(*train.TRAPS),
+                   help="arith only: traps per chain, MIN-MAX, as in training")
     p.add_argument("--out", default=None, help="where the outputs go (default: the checkpoint's parent)")
-    p.add_argument("--trajectories", type=int, default=32, help="held-out trajectories, one per problem")
-    p.add_argument("--gt-rollouts", type=int, default=256, help="continuations per ground-truth value")
-    p.add_argument("--k", default="1,3,9", help="comma-separated K of the MC estimators")
-    p.add_argument("--alternatives", type=int, default=5, help="next steps sampled per state for ranking")
-    p.add_argument("--ranking-states", type=int, default=32)
+    p.add_argument("--trajectories", type=count(1), default=32,
+                   help="held-out trajectories, one per problem (at most the held-out problems)")
+    p.add_argument("--gt-rollouts", type=count(1), default=256, help="continuations per ground-truth value")
+    p.add_argument("--k", type=counts, default=[1, 3, 9], help="comma-separated K of the MC estimators")
+    p.add_argument("--alternatives", type=count(1), default=5, help="next steps sampled per state for ranking")
+    p.add_argument("--ranking-states", type=count(0), default=32)
     p.add_argument("--trace", action="store_true", help="trace one wrong answer instead (see above)")
-    p.add_argument("--trace-k", type=int, default=9, help="--trace: continuations per state (the paper's K)")
-    p.add_argument("--group", type=int, default=8, help="--trace: samples of the problem (GRPO's group)")
-    p.add_argument("--tries", type=int, default=50, help="--trace: held-out problems tried for a wrong answer")
+    p.add_argument("--trace-k", type=count(1), default=9, help="--trace: continuations per state (the paper's K)")
+    p.add_argument("--group", type=count(1), default=8, help="--trace: samples of the problem (GRPO's group)")
+    p.add_argument("--tries", type=count(1), default=50, help="--trace: held-out problems tried for a wrong answer")
     p.add_argument("--critic-checkpoint", default=None,
                    help="--trace: a ppo/tppo checkpoint whose critic is shown (default: --checkpoint's)")
     p.add_argument("--mc-settings", action="store_true", help="compare MC settings' cost and accuracy (above)")
-    p.add_argument("--mc-k", type=int, default=4, help="--mc-settings: K of fixed K (the demo's 4)")
-    p.add_argument("--repeats", type=int, default=2, help="--mc-settings: estimates per setting")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--mc-k", type=count(1), default=4, help="--mc-settings: K of fixed K (the demo's 4)")
+    p.add_argument("--repeats", type=count(1), default=2, help="--mc-settings: estimates per setting")
+    p.add_argument("--temperature", type=real(lambda v: 1e-3 <= v <= train.FLOAT32_MAX, ">= 0.001"), default=0.6)
+    p.add_argument("--top-p", type=real(lambda v: 0 < v <= 1, "in (0, 1]"), default=0.9)
+    p.add_argument("--max-new-tokens", type=count(1), default=64)
+    p.add_argument("--seed", type=count(0), default=0)
+    a = p.parse_args(argv)
+    if not a.arith_traps and int(a.arith_steps.split("-")[1]) > 8:  # as train.py: totals 0-9 without wrapping
+        p.error(f"--arith-steps {a.arith_steps}: at most 8 steps without --arith-traps")
+    if a.seed >= 2**63:
+        p.error(f"--seed {a.seed}: expected 0 <= SEED < 2**63 (torch's seeds)")
+    return a
 
 
 def main(argv=None):
     a = parse_args(argv)
     torch.manual_seed(a.seed)
+    for flag, path in (("--checkpoint", a.checkpoint), ("--critic-checkpoint", a.critic_checkpoint)):
+        if path is not None and not os.path.isdir(path):
+            raise DataError(f"{flag} {path!r}: no such directory")
+    problems = load_problems(a.data, "test", steps=a.arith_steps, traps=a.arith_traps)
+    if a.trajectories > len(problems) and not a.trace:
+        raise DataError(f"--trajectories {a.trajectories}: the held-out set has {len(problems)} problems")
+    out = a.out or os.path.dirname(os.path.abspath(a.checkpoint))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DataError(f"--out {out!r} is a file, not a directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:  # no permission, a file on the way
+        raise DataError(f"--out {out!r}: not writable ({first_line(e)})") from None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tok, policy = load_model(a.checkpoint, device)
+    tok, policy = load_model(a.checkpoint, device, flag="--checkpoint")
     sampling = rollout.Sampling(temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens,
                                 eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), stop=STOP, tokenizer=tok)
-    problems = load_problems(a.data, "test", steps=a.arith_steps, traps=a.arith_traps)
-    out = a.out or os.path.dirname(os.path.abspath(a.checkpoint))
-    os.makedirs(out, exist_ok=True)
     if a.trace:
         trace(a, tok, policy, sampling, problems, out)
     elif a.mc_settings:
@@ -162,7 +221,7 @@ def main(argv=None):
 def value_accuracy(a, tok, policy, sampling, problems, out):
     """Every state of one sampled trajectory per problem, against the ground truth; printed and saved."""
     critic = load_critic(a.checkpoint, next(policy.parameters()).device)
-    ks = [int(k) for k in a.k.split(",")]
+    ks = a.k
     mc = lambda prompt, prefix, prob, n: sum(mc_rewards(policy, prompt, prefix, prob["answer"], n, sampling,
                                                         prob["question"], prob.get("math", False))) / n
     estimators = [f"mc{k}" for k in ks] + ([f"critic_{critic.head_type}"] if critic else [])
@@ -332,8 +391,8 @@ def trace_critic(a, policy):
         if critic is not None:
             return critic, f"the {critic.head_type} critic saved in {path}"
         if path == a.critic_checkpoint:
-            sys.exit(f"error: --critic-checkpoint {path}: no critic/ inside (a ppo or tppo run's checkpoint "
-                     "has one)")
+            raise DataError(f"--critic-checkpoint {path}: no critic/ inside (a ppo or tppo run's checkpoint "
+                            "has one)")
     return value.Critic(copy.deepcopy(policy.base_model), "scalar").to(device), (
         "UNTRAINED: a copy of this policy with a fresh scalar head, as PPO's critic starts "
         "(--critic-checkpoint shows a trained one)")
@@ -406,5 +465,6 @@ def plot_trace(t, path):
 if __name__ == "__main__":
     try:
         main()
-    except DataError as e:
-        sys.exit(f"error: {e}")
+    except DataError as e:  # one line, exit status 2, as train.py
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

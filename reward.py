@@ -180,11 +180,12 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def load_problems(data: str, split: str, steps: str = "2-5", slip: float = 0.0, traps: str = "",
-                  hold_out: bool = False) -> list[dict]:
+                  hold_out: bool = False, flag: str = "--data") -> list[dict]:
     """'arith' (up to 2000 problems a split, the same for every seed; no held-out question is a training
     question) | 'gsm8k' (openai/gsm8k) | a .jsonl file (any split; with hold_out, the questions of `split`
     by split_of). Each problem with its prompt text: the reference's template, or the built-in task's.
-    steps, traps: arith's --arith-steps and --arith-traps, 'MIN-MAX' ('' traps: the plain task)."""
+    steps, traps: arith's --arith-steps and --arith-traps, 'MIN-MAX' ('' traps: the plain task). flag: the
+    setting that names `data` (--data, --eval-data), for the messages."""
     if data == "arith":
         min_max, n_traps = (tuple(int(n) for n in s.split("-")) if s else None for s in (steps, traps))
         problems = arith_dataset(2000, seed=0 if split == "train" else 10_000, steps=min_max, slip=slip,
@@ -201,13 +202,13 @@ def load_problems(data: str, split: str, steps: str = "2-5", slip: float = 0.0, 
             if not problems:
                 raise DataError(f"{data}: too few problems to hold out a {split} split; give --eval-data")
     elif data == "gsm8k":
-        problems = hub_problems("gsm8k", "openai/gsm8k", "main", split, check_problem, "GSM8K's format, one "
-                                "{\"question\": ..., \"answer\": ...} object per line")
+        problems = hub_problems(f"{flag} gsm8k", "openai/gsm8k", "main", split, check_problem, "GSM8K's format, "
+                                "one {\"question\": ..., \"answer\": ...} object per line")
     elif data == "math":
-        problems = hub_problems("math", MATH_HUB[split], None, split, check_math_problem, "MATH's format, one "
-                                "{\"problem\": ..., \"solution\": ...} object per line (PRM800K's math_splits)")
+        problems = hub_problems(f"{flag} math", MATH_HUB[split], None, split, check_math_problem, "MATH's format, "
+                                "one {\"problem\": ..., \"solution\": ...} object per line (PRM800K's math_splits)")
     else:
-        raise DataError(f"--data {data!r}: expected 'arith', 'gsm8k', 'math' or a path ending in .jsonl")
+        raise DataError(f"{flag} {data!r}: expected 'arith', 'gsm8k', 'math' or a path ending in .jsonl")
     template = ARITH_PROMPT if data == "arith" else PROMPT
     return [{**p, "prompt": template.format(question=p["question"].strip())} for p in problems]
 
@@ -223,12 +224,12 @@ def is_math_data(data: str) -> bool:
         return False  # read_jsonl then names the file and line
 
 
-def hub_problems(data: str, repo: str, config: str | None, split: str, check, offline_format: str):
+def hub_problems(setting: str, repo: str, config: str | None, split: str, check, offline_format: str):
     from datasets import load_dataset  # imported here: the offline demo never needs it
     try:
         rows = load_dataset(repo, config, split=split)
     except Exception as e:  # offline, hub and cache errors all end here: one line, not a traceback
-        raise DataError(f"--data {data}: cannot load {repo} from the hub ({first_line(e)}); offline, point "
+        raise DataError(f"{setting}: cannot load {repo} from the hub ({first_line(e)}); offline, point "
                         f"--data and --eval-data at local .jsonl files in {offline_format}") from None
     return [check(r, f"{repo}[{split}][{i}]") for i, r in enumerate(rows)]
 

@@ -60,6 +60,8 @@ def start_process(cfg):
         if getattr(cfg, name) % world:
             raise DataError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: "
                             f"must be divisible by the {world} processes")
+    if cfg.fsdp and world == 1 and rank == 0:
+        tqdm.write("warning: --fsdp: ignored (one process, nothing to shard: it shards under torchrun)")
     random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)  # processes sample different responses
     cfg.precision = cfg.precision or default_precision(device)
@@ -67,31 +69,50 @@ def start_process(cfg):
 
 
 def start_run(cfg, device, autocast):
-    """Data, models, learners (ppo.Learner) and the last iteration done (None for a fresh run)."""
+    """Data, models, learners (ppo.Learner) and the last iteration done (None for a fresh run). All that can
+    refuse the run comes first (load_run): a refused start changes nothing on disk, and --overwrite removes
+    the earlier run only once nothing is left to fail (begin_writing)."""
+    try:
+        tok, train_set, eval_set, ref, learners, state, rows = load_run(cfg, device, autocast)
+    except BaseException:  # refused or stopped: not even the tiny model built for this run stays
+        if cfg.model == "tiny" and parallel.rank() == 0:
+            shutil.rmtree(os.path.join(cfg.out, "tiny-init.tmp"), ignore_errors=True)
+        raise
+    sft_reference = ref if cfg.sft_steps and state is None else None  # made by this run's SFT
+    begin_writing(cfg, state, rows, sft_reference, tok)
+    ref.eval().requires_grad_(False)
+    cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
+    done = None if state is None else state["iteration"]
+    critic = learners[1] if len(learners) > 1 else None
+    return tok, train_set, eval_set, ref, learners[0], critic, done
+
+
+def load_run(cfg, device, autocast):
+    """Everything start_run needs, checked, with nothing written yet: a refusal leaves --out as it was."""
+    check_out_apart_from_model(cfg)
     prepare_out(cfg)
     go_offline_without_hub(cfg)
     task = dict(steps=cfg.arith_steps, traps=cfg.arith_traps, hold_out=not cfg.eval_data)  # .jsonl: no overlap
     train_set = reward.load_problems(cfg.data, "train", slip=cfg.arith_slip, **task)
-    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", **task)[: cfg.eval_problems or None]
+    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", flag="--eval-data" if cfg.eval_data
+                                    else "--data", **task)[: cfg.eval_problems or None]
     reward.is_math(train_set + eval_set)  # one format for both: MATH's grader and steps, or GSM8K's
     resume_from, state = checkpoint.find_resume(cfg)
+    rows = checkpoint.rows_to_keep(cfg.out, state)  # a row that --resume cannot read refuses it here
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable(**RECOMPUTE)
+    context = getattr(policy.config, "max_position_embeddings", None)
     for problem in train_set + eval_set:
         problem["prompt_ids"] = reward.encode_prompt(tok, problem["prompt"])
-    train_set, eval_set = (drop_long_prompts(problems, cfg.max_prompt_tokens, split)
+    train_set, eval_set = (drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
                            for problems, split in ((train_set, "training"), (eval_set, "held-out")))
     fit_prompts_per_iter(cfg, len(train_set))
-    if state is None or state["iteration"] < cfg.iterations:  # a run that trains records what it runs with
-        checkpoint.record_settings(cfg)
     if cfg.sft_steps and not resume_from:  # the KL reference and the critic start from the SFT policy
         sft_warm_start(policy, tok, train_set, cfg, device, autocast)
         ref.load_state_dict(parallel.full_state_dict(policy))
         if not all(torch.isfinite(w).all() for w in ref.state_dict().values()):
             raise DataError(f"--sft-lr {cfg.sft_lr}: the weights are no longer finite after SFT; lower it")
-        if parallel.rank() == 0:
-            checkpoint.save_checkpoint(cfg.out, ref, tok, name="reference")  # resumed runs reload it
     critic = None  # PPO / TPPO: a copy of the starting policy's backbone with a value head (value.py)
     if cfg.algo in ("ppo", "tppo"):
         critic = checkpoint.load_critic(resume_from, device) if resume_from else \
@@ -100,8 +121,6 @@ def start_run(cfg, device, autocast):
             raise checkpoint.start_again(f"{resume_from} has no critic/")
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
             critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
-    ref.eval().requires_grad_(False)
-    cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
     steps_per_iteration = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
     total = cfg.iterations * steps_per_iteration
     # the policy does not step during --critic-warmup: its schedule spans the iterations after it, down to 0
@@ -109,22 +128,62 @@ def start_run(cfg, device, autocast):
     learners = [ppo.Learner(model, lr, steps, int(cfg.warmup * steps), cfg.fsdp, device)
                 for model, lr, steps in [(policy, cfg.lr, policy_total), (critic, cfg.critic_lr, total)]
                 if model is not None]
-    done = checkpoint.restore_training_state(cfg, state, learners)
-    return tok, train_set, eval_set, ref, learners[0], (learners[1] if critic is not None else None), done
+    checkpoint.restore_training_state(cfg, state, learners)
+    return tok, train_set, eval_set, ref, learners, state, rows
 
 
-def drop_long_prompts(problems: list[dict], max_tokens: int, split: str) -> list[dict]:
-    kept = [p for p in problems if len(p["prompt_ids"]) <= max_tokens]
+def begin_writing(cfg, state, rows: dict, sft_reference, tok):
+    """The run's first writes, once nothing can refuse it: --overwrite's removal of the earlier run, the
+    tiny model built for it, the SFT reference (resumed runs reload it), the settings, the results so far."""
+    if parallel.rank() == 0:
+        if cfg.overwrite:
+            remove_earlier_run(cfg.out)
+        tiny = os.path.join(cfg.out, "tiny-init")
+        if cfg.model == "tiny" and state is None:  # built for this run (build_tiny): a resumed run reloads it
+            shutil.rmtree(tiny, ignore_errors=True)
+            os.replace(tiny + ".tmp", tiny)
+        if sft_reference is not None:
+            checkpoint.save_checkpoint(cfg.out, sft_reference, tok, name="reference")
+        if state is None or state["iteration"] < cfg.iterations:  # a run that trains records what it runs with
+            checkpoint.record_settings(cfg)
+        checkpoint.write_rows(rows)
+    parallel.barrier()
+
+
+def check_out_apart_from_model(cfg):
+    """--out may not be the --model directory nor inside it, nor hold it where the run writes or removes
+    (OUT/checkpoint after --overwrite): the run would write over the model it starts from, or delete it."""
+    model = checkpoint.ALIASES.get(cfg.model, cfg.model)
+    if model == "tiny" or not os.path.isdir(model):
+        return
+    out, model = os.path.realpath(cfg.out), os.path.realpath(model)
+    inside = lambda path, folder: path == folder or path.startswith(os.path.join(folder, ""))
+    runs_own = any(inside(model, os.path.join(out, name)) for name in checkpoint.RESULTS + checkpoint.LEFTOVERS)
+    if inside(out, model) or runs_own:
+        where = "is" if out == model else "is inside" if inside(out, model) else "holds it as the run's own"
+        raise DataError(f"--out {cfg.out!r} {where} --model {cfg.model!r}: the run would write over the "
+                        "model it starts from; choose an --out apart from it")
+
+
+def drop_long_prompts(problems: list[dict], max_tokens: int, split: str, context: int | None = None) -> list[dict]:
+    """The problems whose prompt is at most max_tokens long and leaves the model's context room for at
+    least one response token (a full context would leave every response empty)."""
+    limit = max_tokens if context is None else min(max_tokens, context - 1)
+    rule = f"--max-prompt-tokens {max_tokens}" if limit == max_tokens else \
+        f"the model's context of {context} tokens less one for the response"
+    kept = [p for p in problems if len(p["prompt_ids"]) <= limit]
     if not kept:
-        raise DataError(f"--max-prompt-tokens {max_tokens}: every {split} problem's prompt is longer")
+        raise DataError(f"{rule}: every {split} problem's prompt is longer")
     if len(kept) < len(problems) and parallel.rank() == 0:
         tqdm.write(f"skipped {len(problems) - len(kept)} of {len(problems)} {split} problems: "
-                   f"prompt over --max-prompt-tokens {max_tokens}")
+                   f"prompt over {rule}")
     return kept
 
 
 def prepare_out(cfg):
-    """--out made, locked for this run, checked for an earlier run, emptied of it on --overwrite, writable."""
+    """--out made, locked for this run, checked for an earlier run and writable; nothing removed yet."""
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise DataError(f"--out {cfg.out!r} is a file, not a directory")
     try:
         os.makedirs(cfg.out, exist_ok=True)
         if parallel.rank() == 0:
@@ -133,19 +192,21 @@ def prepare_out(cfg):
         if found and not cfg.resume and not cfg.overwrite:
             raise DataError(f"--out {cfg.out!r} holds an earlier run ({', '.join(found)}): "
                             "pass --resume to continue it or --overwrite to replace it")
-        if cfg.overwrite and parallel.rank() == 0:  # all of it, before anything of this run is written
-            for name in checkpoint.RESULTS + checkpoint.LEFTOVERS:
-                path = os.path.join(cfg.out, name)
-                if os.path.isdir(path):
-                    shutil.rmtree(path)
-                elif os.path.exists(path):
-                    os.remove(path)
-        parallel.barrier()
         probe = os.path.join(cfg.out, f".writable{parallel.rank()}")
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
         raise DataError(f"--out {cfg.out!r}: not writable ({first_line(e)})") from None
+
+
+def remove_earlier_run(out: str):
+    """--overwrite: all of the earlier run, before anything of this run is written."""
+    for name in checkpoint.RESULTS + checkpoint.LEFTOVERS:
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
 
 
 held_lock = None  # OUT/.lock, open and locked while this process lives
@@ -180,15 +241,27 @@ def load_policy_and_reference(cfg, resume_from: str | None, device):
     name = checkpoint.ALIASES.get(cfg.model, cfg.model)
     if name == "tiny":
         name = os.path.join(cfg.out, "tiny-init")
-        if not resume_from and parallel.rank() == 0:
-            checkpoint.build_tiny_model(name, cfg.seed)
-        parallel.barrier()  # the other processes wait until it is written
+        if not resume_from:  # built beside an earlier run's, which --overwrite replaces (begin_writing)
+            name = build_tiny(name + ".tmp", cfg.seed)
     tok, policy = checkpoint.load_model(resume_from or name, device, cfg.trust_remote_code, bool(resume_from))
     if not resume_from:
         return tok, policy, copy.deepcopy(policy)
     ref_path = os.path.join(cfg.out, "reference") if cfg.sft_steps else name
     in_out = ref_path.startswith(os.path.join(cfg.out, ""))  # OUT/reference, OUT/tiny-init: the run's own
     return tok, policy, checkpoint.load_model(ref_path, device, cfg.trust_remote_code, in_out)[1]
+
+
+def build_tiny(path: str, seed: int) -> str:
+    """checkpoint.build_tiny_model at path, written by the first process; a failed write is one line."""
+    if parallel.rank() == 0:
+        try:
+            shutil.rmtree(path, ignore_errors=True)  # a start that was stopped
+            checkpoint.build_tiny_model(path, seed)
+        except Exception as e:  # a full disk, no permission (safetensors raises its own error)
+            shutil.rmtree(path, ignore_errors=True)
+            raise OSError(f"cannot write {path} ({first_line(e)})") from None
+    parallel.barrier()  # the other processes wait until it is written
+    return path
 
 
 def fit_prompts_per_iter(cfg, available: int):

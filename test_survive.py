@@ -151,7 +151,8 @@ def test_a_second_run_into_a_locked_out_is_refused_in_one_line(tmp_path):
 
 def test_overwrite_removes_all_of_the_earlier_run_before_writing(tmp_path):
     """Killed right after --overwrite cleared the earlier run, a --resume starts afresh: nothing of the old
-    run (its checkpoint above all) is left to continue from. Files that are not the run's stay."""
+    run (its checkpoint above all) is left to continue from. Files that are not the run's stay. The
+    removal is not prepare_out's: that comes before anything that can refuse the run."""
     for name in checkpoint.RESULTS + checkpoint.LEFTOVERS:
         if name.endswith((".jsonl", ".tmp")) and "checkpoint" not in name and "reference" not in name:
             (tmp_path / name).write_text('{"iteration": 0}\n')
@@ -161,7 +162,10 @@ def test_overwrite_removes_all_of_the_earlier_run_before_writing(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(DataError, match="holds an earlier run"):
         start.prepare_out(train.parse_args(["--out", str(tmp_path)]))
+    before = sorted(os.listdir(tmp_path))
     start.prepare_out(train.parse_args(["--out", str(tmp_path), "--overwrite"]))
+    assert sorted(os.listdir(tmp_path)) == before  # nothing removed yet
+    start.remove_earlier_run(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [".lock", "notes.txt"]
     assert checkpoint.find_resume(train.parse_args(["--out", str(tmp_path), "--resume"])) == (None, None)
     start.held_lock.close()
@@ -256,7 +260,8 @@ def test_resume_checks_the_runs_settings_file(tmp_path, settings, message):
     with pytest.raises(DataError, match=rf"^--resume: {tmp_path} was written with --seed 1, not 0$"):
         checkpoint.find_resume(resume)
     written = json.loads((tmp_path / "config.json").read_text())  # every setting, not only those changed
-    assert set(written) == set(vars(train.Config())) and (written["iterations"], written["seed"]) == (2, 1)
+    assert set(written) == set(vars(train.Config())) | {"data_files"}
+    assert (written["iterations"], written["seed"], written["data_files"]) == (2, 1, {})  # arith: no file
 
 
 def test_a_damaged_checkpoint_is_named_as_the_runs_not_as_model(tmp_path, tiny):
@@ -353,3 +358,307 @@ def test_an_unreachable_hub_fails_fast_in_one_line(tmp_path):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and err.startswith(message) and err.count("\n") == 1, err[-3000:]
         assert "cannot be reached" in out
+
+
+# ---- a refused start changes nothing; --overwrite removes only what can no longer fail --------
+
+
+def files(path) -> dict:
+    """Every file under path (bar the lock) and its bytes."""
+    return {os.path.relpath(os.path.join(folder, name), path): open(os.path.join(folder, name), "rb").read()
+            for folder, _, names in os.walk(path) for name in names if name != ".lock"}
+
+
+def start_in_process(*args):
+    """start.start_run of train.py's command line, on the CPU in fp32; the lock released after."""
+    cfg = train.parse_args(list(args))
+    cfg.precision, cpu = "fp32", torch.device("cpu")
+    try:
+        return start.start_run(cfg, cpu, start.autocast(cpu, "fp32"))
+    finally:
+        if start.held_lock is not None:
+            start.held_lock.close()
+
+
+def earlier_run(out, tiny, iterations=1, *args):
+    """A run's files as train.py leaves them (its settings: those of `args`), checkpoint at iteration 1."""
+    checkpoint.save_checkpoint(str(out), tiny[1], tiny[0], {"iteration": 1, "optimizers": [], "rng": []})
+    checkpoint.save_checkpoint(str(out), tiny[1], tiny[0], name="reference")
+    (out / "metrics.jsonl").write_text('{"iteration": 0}\n{"iteration": 1}\n')
+    checkpoint.record_settings(train.parse_args(["--out", str(out), "--iterations", str(iterations), *args]))
+
+
+def test_an_out_that_is_in_or_holds_the_model_where_the_run_writes_is_refused(tmp_path, tiny):
+    """Issue cases: --out equal to --model wrote its config.json over the model's; --overwrite into the run
+    whose checkpoint is --model deleted it. Refused in one line, nothing written; beside it is fine."""
+    tok, model = tiny
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    earlier_run(tmp_path / "run", tiny)
+    before = files(tmp_path)
+    for out, model_dir, where in ((tmp_path / "model", tmp_path / "model", "is"),
+                                  (tmp_path / "model" / "rl", tmp_path / "model", "is inside"),
+                                  (tmp_path / "run", tmp_path / "run" / "checkpoint", "holds it as the run's own")):
+        with pytest.raises(DataError, match=f"^--out '{out}' {where} --model '{model_dir}': the run would write"):
+            start_in_process("--out", str(out), "--model", str(model_dir), "--overwrite")
+        assert files(tmp_path) == before and not (tmp_path / "model" / "rl").exists()
+    for out, model_dir in ((tmp_path / "other", tmp_path / "run" / "checkpoint"), (tmp_path, tmp_path / "model")):
+        start.check_out_apart_from_model(train.parse_args(["--out", str(out), "--model", str(model_dir)]))
+
+
+@pytest.mark.parametrize("bad", [["--max-prompt-tokens", "1"], ["--data", "bad.jsonl"], ["--eval-data", "x.txt"]])
+def test_overwrite_that_is_refused_leaves_the_earlier_run(tmp_path, tiny, bad):
+    """--overwrite with a setting that then fails deleted the earlier run first: now the run is refused
+    with everything of the earlier one where it was, byte for byte (no tiny-init.tmp left either)."""
+    (tmp_path / "bad.jsonl").write_text("{\n")
+    out = tmp_path / "out"
+    earlier_run(out, tiny)
+    (out / "tiny-init").mkdir()
+    (out / "tiny-init" / "config.json").write_text("{}")
+    before = files(out)
+    bad = [str(tmp_path / b) if b.endswith("jsonl") else b for b in bad]
+    with pytest.raises(DataError):
+        start_in_process("--out", str(out), "--overwrite", "--sft-steps", "0", *bad)
+    assert files(out) == before and sorted(os.listdir(out)) == [".lock", "checkpoint", "config.json",
+                                                                 "metrics.jsonl", "reference", "tiny-init"]
+
+
+def test_a_resume_refused_for_a_damaged_row_leaves_config_json(tmp_path, tiny):
+    """A --resume refused because of a damaged metrics.jsonl line had already rewritten config.json."""
+    earlier_run(tmp_path, tiny)
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\nnot a row\n{"iteration": 1}\n')
+    before = files(tmp_path)
+    with pytest.raises(DataError, match=r"metrics.jsonl:2: expected a row of this run"):
+        start_in_process("--out", str(tmp_path), "--resume", "--iterations", "3")
+    assert files(tmp_path) == before
+
+
+def test_resume_with_other_evaluation_or_training_problems_is_refused(tmp_path, tiny):
+    """A changed --eval-data, or a .jsonl whose content (so its hold-out) changed, mixed two sets in one
+    metrics.jsonl: refused in one line."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(9)))
+    earlier_run(tmp_path / "run", tiny, 1, "--data", str(data))
+    resume = lambda *args: checkpoint.find_resume(train.parse_args(["--out", str(tmp_path / "run"), "--resume",
+                                                                    "--data", str(data), *args]))
+    assert resume()[1]["iteration"] == 1
+    with pytest.raises(DataError, match=r"^--resume: .* was written with --eval-data '', not '.*other.jsonl'$"):
+        resume("--eval-data", str(tmp_path / "other.jsonl"))
+    with pytest.raises(DataError, match=r"^--resume: .* was written with --eval-problems 400, not 5$"):
+        resume("--eval-problems", "5")
+    data.write_text(data.read_text() + json.dumps({"question": "new", "answer": "#### 1"}) + "\n")
+    with pytest.raises(DataError, match=rf"^--resume: --data {data} has changed since .* was written; the run"):
+        resume()
+
+
+def test_prompts_that_fill_the_context_are_dropped_and_ppo_trains(tmp_path, capsys):
+    """Prompts longer than the model's context (512 tokens: characters, for the tiny model) but under
+    --max-prompt-tokens: ppo ended in an IndexError, vineppo and grpo sampled empty responses."""
+    data = tmp_path / "long.jsonl"
+    rows = [{"question": f"What is {i}+1?" + (" Think." * 90 if i % 4 else ""), "answer": f"#### {i + 1}"}
+            for i in range(80)]  # 3 in 4 over the context: every draw of 4 is likely to hold one
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg = train.parse_args(["--out", str(tmp_path / "out"), "--data", str(data), "--algo", "ppo", *SMALL,
+                            "--iterations", "1", "--sft-steps", "0", "--eval-every", "0", "--save-every", "0"])
+    cfg.precision = "fp32"
+    train.main(cfg)
+    start.held_lock.close()
+    said = capsys.readouterr().out
+    assert re.search(r"skipped \d+ of \d+ training problems: prompt over the model's context of 512", said)
+    assert [row["iteration"] for row in numbers(tmp_path / "out")] == [0, 1]
+    problems = [{"prompt_ids": [0] * n} for n in (510, 511, 512, 600)]
+    assert len(start.drop_long_prompts(problems, 1512, "training", context=512)) == 2
+    assert "skipped 2 of 4 training problems: prompt over the model's context of 512 tokens less one for the " \
+           "response" in capsys.readouterr().out
+    assert len(start.drop_long_prompts(problems, 510, "training", context=512)) == 1  # the flag's rule
+
+
+# ---- settings that would do nothing, or something else ----------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--algo", "grpo", "--critic-warmup", "1"], "--critic-warmup 1: only ppo and tppo have a critic to warm up"),
+    (["--critic-warmup", "2"], "under vineppo the policy would stand still for 2 iterations"),
+    (["--algo", "grpo", "--samples-per-prompt", "1"], "--samples-per-prompt 1: GRPO's advantage is a reward less"),
+    (["--lr", "3e38"], "--lr 3e+38: expected >= 0 and at most 1 (AdamW moves each weight by about lr a step)"),
+    (["--critic-lr", "2"], "--critic-lr 2.0: expected >= 0 and at most 1"),
+    (["--sft-lr", "1e30"], "--sft-lr 1e+30: expected >= 0 and at most 1"),
+    (["--precision", "fp16"], "--precision 'fp16': expected one of fp32, bf16"),
+])
+def test_settings_that_would_do_nothing_or_overflow_are_refused(capsys, args, message):
+    test_vine.test_bad_setting_gives_one_line_error(capsys, args, message)
+    train.parse_args(["--lr", "1", "--algo", "ppo", "--critic-warmup", "1", "--samples-per-prompt", "2"])
+
+
+@pytest.mark.parametrize("args, ignored", [
+    (["--algo", "grpo", "--critic-lr", "1e-3", "--lam", "0.9", "--mc-rollouts", "3"],
+     ["--critic-lr 0.001: ignored (only ppo and tppo have a critic and GAE, not grpo)",
+      "--lam 0.9: ignored (only ppo and tppo have a critic and GAE, not grpo)",
+      "--mc-rollouts 3: ignored (only vineppo has MC values, not grpo)"]),
+    (["--value-clip", "0.1", "--lam-critic", "0.9", "--mc-reuse"],
+     ["--lam-critic 0.9: ignored (only ppo and tppo have a critic and GAE, not vineppo)",
+      "--value-clip 0.1: ignored (only ppo and tppo have a critic and GAE, not vineppo)"]),
+    (["--algo", "tppo", "--value-clip", "0.1", "--max-value-states", "3"],
+     ["--value-clip 0.1: ignored (the tracking head learns the outcome itself: no GAE targets, no value clipping)",
+      "--max-value-states 3: ignored (only vineppo has MC values, not tppo)"]),
+    (["--mc-increment", "2", "--data", "x.jsonl", "--arith-slip", "0.1"],
+     ["--mc-increment 2: ignored (adaptive MC values are off: --mc-max-rollouts 0)",
+      "--arith-slip 0.1: ignored (the built-in task's, not --data x.jsonl's)"]),
+    (["--algo", "ppo", "--value-clip", "0.1", "--lam-critic", "0.9", "--mc-max-rollouts", "8", "--mc-increment", "2"],
+     ["--mc-max-rollouts 8: ignored (only vineppo has MC values, not ppo)",
+      "--mc-increment 2: ignored (only vineppo has MC values, not ppo)"]),
+    (["--algo", "grpo"], []),  # the demo preset's --critic-lr and --mc-rollouts are not the user's
+])
+def test_a_given_setting_the_run_ignores_is_said_once(capsys, args, ignored):
+    train.parse_args(args)
+    assert capsys.readouterr().err.splitlines() == ["warning: " + line for line in ignored]
+
+
+def test_fsdp_without_torchrun_is_said(capsys):
+    start.start_process(train.parse_args(["--fsdp", "--device", "cpu"]))
+    assert "warning: --fsdp: ignored (one process, nothing to shard" in capsys.readouterr().out
+
+
+# ---- messages that name the right thing ---------------------------------------------------------
+
+
+class Foreign:
+    """Something train.py never pickles."""
+
+
+def test_model_paths_messages_and_a_foreign_trainer_state(tmp_path, tiny, monkeypatch):
+    """An empty --model directory, a missing path that cannot be a hub id, a missing one that could be
+    (runs/x: both said), and a trainer state holding an object: each one line of its own, without
+    torch's advice to load the file unsafely."""
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    for name, message in (("empty", "--model 'empty': a directory without config.json: expected one written "
+                                    r"by save_pretrained \(model and tokenizer\)$"),
+                          ("runs/x/y", "--model 'runs/x/y': no such directory$"),
+                          ("runs/x", r"--model 'runs/x': cannot load it \(no local directory of that name, nor "
+                                     "on the hub: ")):
+        with pytest.raises(DataError, match="^" + message):
+            checkpoint.load_model(name, "cpu")
+    with pytest.raises(DataError, match="^--checkpoint '/gone': no such directory"):
+        checkpoint.load_model("/gone", "cpu", flag="--checkpoint")
+    checkpoint.save_checkpoint(str(tmp_path), tiny[1], tiny[0], {"iteration": 1, "foreign": Foreign()})
+    with pytest.raises(DataError) as refused:
+        checkpoint.find_resume(train.parse_args(["--out", str(tmp_path), "--resume"]))
+    assert str(refused.value) == (f"--resume: {tmp_path}/checkpoint/trainer_state.pt cannot be read (it holds "
+                                  "test_survive.Foreign, not only tensors and plain data; train.py does not write "
+                                  "such files)") and "weights_only" not in str(refused.value)
+
+
+def test_eval_data_and_out_messages_name_their_setting(tmp_path, monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFound)")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(start, "go_offline_without_hub", lambda cfg: None)
+    with pytest.raises(DataError, match=r"^--eval-data gsm8k: cannot load openai/gsm8k from the hub \(Couldn't"):
+        start_in_process("--out", str(tmp_path / "out"), "--eval-data", "gsm8k")
+    with pytest.raises(DataError, match=r"^--eval-data 'nope': expected 'arith', 'gsm8k', 'math'"):
+        start_in_process("--out", str(tmp_path / "out"), "--eval-data", "nope")
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(DataError, match=rf"^--out '{tmp_path / 'file'}' is a file, not a directory$"):
+        start.prepare_out(train.parse_args(["--out", str(tmp_path / "file")]))
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_full_disk_while_writing_tiny_init_is_one_line(tmp_path, monkeypatch):
+    """The tiny model's weights meet a full disk: safetensors raises its own error, which became a
+    traceback; now the OSError train.py turns into its one line, and nothing half-written stays."""
+    from safetensors import SafetensorError
+    from transformers import modeling_utils
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full)
+    path = str(tmp_path / "tiny-init.tmp")
+    with pytest.raises(OSError, match=rf"^cannot write {path} \(Error while serializing: I/O error: No space left"):
+        start.build_tiny(path, seed=0)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_the_libraries_load_is_one_line(tmp_path, signum):
+    """Ctrl-C (or SIGTERM) in the first seconds, while torch is being imported: a KeyboardInterrupt
+    traceback (SIGTERM: nothing at all) before; one line and 128 + the signal's number now."""
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", str(tmp_path)], cwd=HERE,
+                            env=OFFLINE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and "torch" not in open(f"/proc/{proc.pid}/maps").read():
+        time.sleep(0.005)  # torch's libraries are being loaded: train.py's first lines have run
+    proc.send_signal(signum)
+    err = proc.communicate(timeout=120)[1]
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum and err == f"stopped by {name} while starting; nothing was written\n"
+    assert os.listdir(tmp_path) == []
+
+
+# ---- the tools: one line and exit status 2, as train.py -----------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--k", "a"], "argument --k: 'a': expected an integer >= 1"),
+    (["--k", "1,0"], "argument --k: '0': expected an integer >= 1"),
+    (["--gt-rollouts", "0"], "argument --gt-rollouts: '0': expected an integer >= 1"),
+    (["--arith-steps", "9-3"], "argument --arith-steps: '9-3': expected MIN-MAX, 1 <= MIN <= MAX"),
+    (["--arith-steps", "2-9"], "--arith-steps 2-9: at most 8 steps without --arith-traps"),
+    (["--temperature", "0"], "argument --temperature: '0': expected >= 0.001"),
+    (["--seed", "-1"], "argument --seed: '-1': expected an integer >= 0"),
+])
+def test_diagnose_settings_are_checked(capsys, args, message):
+    import diagnose
+    with pytest.raises(SystemExit) as stop:
+        diagnose.parse_args(["--checkpoint", "x", *args])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == f"error: {message}\n"
+
+
+def test_diagnose_paths_and_counts_are_checked(tmp_path):
+    import diagnose
+    checkpoint.build_tiny_model(str(tmp_path / "model"), seed=0)
+    (tmp_path / "file").write_text("mine")
+    ok = ["--checkpoint", str(tmp_path / "model")]
+    for args, message in ((["--checkpoint", "/missing"], "--checkpoint '/missing': no such directory"),
+                          ([*ok, "--critic-checkpoint", "/gone"], "--critic-checkpoint '/gone': no such directory"),
+                          ([*ok, "--trajectories", "100000"], r"--trajectories 100000: the held-out set has \d+ "),
+                          ([*ok, "--out", str(tmp_path / "file")], "--out '.*file' is a file, not a directory")):
+        with pytest.raises(DataError, match="^" + message):
+            diagnose.main(args)
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--variant", "foo"], "--variant 'foo': expected NAME=FLAGS, NAME starting with vineppo"),
+    (["--variant", "vineppo=--mc-reuse", "--algos", "vineppo"], "--variant 'vineppo=--mc-reuse': expected"),
+    (["--seeds", "a"], "--seeds 'a': expected comma-separated integers >= 0"),
+    (["--chains", "6"], "--chains '6': expected comma-separated MIN-MAX, 1 <= MIN <= MAX"),
+    (["--chains", "9-12", "--traps", ""], "--chains '9-12': expected comma-separated MIN-MAX, 1 <= MIN <= MAX, at "
+                                          "most 8 steps without --traps"),
+    (["--traps", "2"], "--traps '2': expected '' or MIN-MAX, 0 <= MIN <= MAX"),
+    (["--algos", "vineppo,a2c"], "--algos 'vineppo,a2c': expected distinct names of vineppo, ppo, tppo, grpo"),
+    (["--jobs", "0"], "--jobs 0: expected >= 1"),
+    (["--iterations", "-1"], "--iterations -1: expected >= 0"),
+])
+def test_compare_settings_are_checked(capsys, args, message):
+    import compare
+    with pytest.raises(SystemExit) as stop:
+        compare.parse_args(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_compare_stops_with_train_pys_own_line(tmp_path, capfd):
+    """A run that fails: train.py's one line, and compare.py ends with its exit status, not a
+    CalledProcessError traceback on top."""
+    import compare
+    (tmp_path / "sft").write_text("a file where the run's directory should be")
+    with pytest.raises(SystemExit) as stop:
+        compare.run(str(tmp_path / "sft"), "--iterations", "0")
+    err = capfd.readouterr().err
+    assert stop.value.code == 2 and err == f"error: --out '{tmp_path / 'sft'}' is a file, not a directory\n"

@@ -10,7 +10,7 @@ import checkpoint
 import diagnose
 import rollout
 import value
-from reward import STOP, load_problems
+from reward import STOP, DataError, load_problems
 
 PROMPT = "What is 1+2+4-1?\n"
 GOLD = "1+2=3\n3+4=7\n7-1=6\n#### 6"
@@ -107,7 +107,7 @@ def test_trace_command_end_to_end(tiny, tmp_path, capsys):
     assert steps[0]["critic_value"] != pytest.approx(0.5, abs=1e-3)  # not the zero-initialised head's
     diagnose.main(args)  # no critic anywhere: the untrained one, said so
     assert "UNTRAINED" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="no critic/ inside"):
+    with pytest.raises(DataError, match="no critic/ inside"):
         diagnose.main(args + ["--critic-checkpoint", path])
 
 

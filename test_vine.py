@@ -151,11 +151,32 @@ def adaptive_count(rewards: list[int], k: int, increment: int, max_k: int, ci_wi
 @pytest.mark.parametrize("k, increment, max_k, ci_width", [(3, 2, 9, 0.6), (2, 1, 8, 0.5), (3, 3, 10, 0.05),
                                                          (4, 3, 11, 0.7), (1, 2, 8, 0.9)])
 def test_more_rollouts_draws_what_the_reference_draws_on_every_outcome(k, increment, max_k, ci_width):
-    # every 0/1 sequence long enough for any stop: the same count as the reference's round-by-round loop
+    # every 0/1 sequence long enough for any stop: the count of the reference's round-by-round loop, whose
+    # last round may step past max_k (3, +3, <= 10 draws 12), cut to max_k
     longest = max_k + increment
     for bits in itertools.product((0, 1), repeat=longest):
         assert adaptive_count(list(bits), k, increment, max_k, ci_width) == \
-            reference_rollout_count(list(bits), k, increment, max_k, ci_width), bits
+            min(max_k, reference_rollout_count(list(bits), k, increment, max_k, ci_width)), bits
+
+
+def test_mc_max_rollouts_is_a_cap(monkeypatch):
+    """--mc-rollouts 2 --mc-max-rollouts 3 --mc-increment 50: at most 3 continuations a state (52 before)."""
+    assert vine.more_rollouts([0, 1], 50, 3, 0.05) == 1 and vine.more_rollouts([1, 1], 50, 3, 0.05) == 0
+    calls = []
+
+    def fake_sample(model, prefixes, n, budgets, sampling, **kw):  # prefix [1, 3, ...]: right iff it ends in 3
+        calls.append((len(prefixes), n))
+        return [[[3 if p[-1] == 3 or j % 2 else 4] for j in range(n)] for p in prefixes], \
+            [[True] * n for _ in prefixes]
+
+    monkeypatch.setattr(rollout, "sample", fake_sample)
+    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: float(ids[-1] == 3))
+    sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=2, pad_id=0)
+    eps = [rollout.Episode([1], [3, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1]),
+           rollout.Episode([1], [4, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1])]
+    counts = vine.mc_values(None, eps, None, 2, sampling, max_k=3, increment=50, ci_width=0.05)
+    # [1] and [1, 4] are mixed after 2: one more each, 3 in all; [1, 3] agrees and stops at 2
+    assert calls == [(3, 2), (2, 1)] and counts["mc_rollouts"] == 3 + 2 + 3 and counts["mc_states"] == 3
 
 
 def test_more_rollouts_hand_computed():
@@ -1055,7 +1076,7 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
     (["--kl-coef", "-1"], "--kl-coef -1.0: expected >= 0"),
     (["--value-head", "scalar"], "--value-head 'scalar': only ppo and tppo have a critic, not vineppo"),
     (["--value-head", "tracking", "--algo", "grpo"], "--value-head 'tracking': only ppo and tppo have a critic"),
-    (["--value-head", "mlp", "--algo", "ppo"], "--value-head 'mlp': expected one of , scalar, tracking, bce"),
+    (["--value-head", "mlp", "--algo", "ppo"], "--value-head 'mlp': expected one of scalar, tracking, bce"),
     (["--algo", "a2c"], "--algo 'a2c': expected one of vineppo, ppo, tppo, grpo"),
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
     (["--mc-max-rollouts", "3"], "--mc-max-rollouts 3: below --mc-rollouts 4 (round 1)"),

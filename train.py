@@ -14,14 +14,26 @@ Needs: rollout, reward, vine, ppo, value (the algorithm); start (everything befo
 checkpoint, parallel (torchrun). Algorithm: Config and its presets, main, evaluate; the engineering
 sections (a setting's rule, the command line, metrics, exits) may be skipped on a first reading.
 """
+import signal
+import sys
+
+
+def stop_starting(signum, frame):
+    """Ctrl-C or SIGTERM before the run has begun (the imports take seconds): one line, nothing written."""
+    print(f"stopped by {signal.Signals(signum).name} while starting; nothing was written", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+if __name__ == "__main__":  # before the heavy imports below
+    signal.signal(signal.SIGINT, stop_starting)
+    signal.signal(signal.SIGTERM, stop_starting)
+
 import argparse
 import collections
 import dataclasses
 import json
 import os
 import re
-import signal
-import sys
 import time
 
 import torch
@@ -48,12 +60,15 @@ def arg(default, help, valid=None):
 at_least = lambda low: (lambda v: v >= low, f">= {low}")
 above = lambda low: (lambda v: v > low, f"> {low}")
 between = lambda low, high: (lambda v: low <= v <= high, f"between {low} and {high}")
-one_of = lambda *names: (lambda v: v in names, "one of " + ", ".join(names))
+one_of = lambda *names: (lambda v: v in names, "one of " + ", ".join(filter(None, names)))  # "": the default
 DEVICE = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "'auto', 'cpu', 'cuda' or 'cuda:N'")
 FLOAT32_MAX = 3.4028234663852886e38
 ordered = lambda v, low: re.fullmatch(r"\d+-\d+", v) and low <= int(v.split("-")[0]) <= int(v.split("-")[1])
 STEPS = (lambda v: ordered(v, 1), "MIN-MAX, 1 <= MIN <= MAX")
 TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
+# AdamW moves every weight by about lr a step (its update is lr times a ratio of moments near +-1): above 1 a
+# step outweighs any weight of a language model, and near float32's limit the first step overflows
+LR = (lambda v: 0 <= v <= 1, ">= 0 and at most 1 (AdamW moves each weight by about lr a step)")
 
 
 # ---- the settings: python train.py --help lists them -----------------------------------------------------
@@ -75,7 +90,8 @@ class Config:
     max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); later: the return; 0: all",
                                 at_least(0))
     mc_max_rollouts: int = arg(0, "adaptive MC values (the reference's: 30): --mc-rollouts first, then more "
-                                  "while V_hat's 95-percent interval > --mc-ci-width, up to this; 0: off",
+                                  "while V_hat's 95-percent interval > --mc-ci-width, never more than this "
+                                  "in all (the last round is cut to fit); 0: off",
                                at_least(0))
     mc_increment: int = arg(4, "adaptive MC values: continuations added per round", at_least(1))
     mc_ci_width: float = arg(0.05, "adaptive MC values: a width of V_hat's 95-percent interval that is enough",
@@ -84,7 +100,7 @@ class Config:
     mc_top_up: bool = arg(False, "with --mc-reuse: a state gets K minus the other responses through it")
     value_head: str = arg("", "ppo/tppo critic head: scalar | tracking | bce (default: scalar, tppo: tracking)",
                           one_of("", *value.HEADS))
-    critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)", at_least(0))
+    critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)", LR)
     critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves (its LR "
                                 "schedule spans the iterations after them)", at_least(0))
     gamma: float = arg(1.0, "GAE discount", between(0, 1))
@@ -95,7 +111,7 @@ class Config:
     epochs: int = arg(2, "PPO epochs over each iteration's episodes", at_least(1))
     minibatch: int = arg(64, "episodes per optimizer step", at_least(1))
     micro_batch: int = arg(16, "episodes per forward/backward pass (gradient accumulation)", at_least(1))
-    lr: float = arg(1e-6, "policy learning rate (AdamW)", at_least(0))
+    lr: float = arg(1e-6, "policy learning rate (AdamW)", LR)
     warmup: float = arg(0.03, "fraction of steps in log-shaped warm-up, then linear decay to 0", between(0, 1))
     clip: float = arg(0.2, "PPO clip range epsilon", above(0))
     kl_coef: float = arg(1e-4, "coefficient of the k3 KL to the reference model, in the loss", at_least(0))
@@ -112,7 +128,7 @@ class Config:
                                   (lambda v: v == 0 or v >= 1e-3, "0 (greedy) or >= 0.001"))
     save_every: int = arg(10, "checkpoint every N iterations and at the end (0: only at the end)", at_least(0))
     sft_steps: int = arg(0, "supervised warm-up steps on the gold solutions before RL", at_least(0))
-    sft_lr: float = arg(1e-5, "SFT learning rate", at_least(0))
+    sft_lr: float = arg(1e-5, "SFT learning rate", LR)
     sft_batch: int = arg(64, "SFT batch size", at_least(1))
     arith_steps: str = arg("2-5", "arith only: steps per chain, MIN-MAX (the difficulty)", STEPS)
     arith_slip: float = arg(0.0, "arith only: chance that a step (with traps: a trap) of an SFT demo is wrong",
@@ -263,8 +279,36 @@ def parse_args(argv=None) -> Config:
         p.error("--mc-top-up counts the responses as continuations: it needs --mc-reuse, not --mc-max-rollouts")
     if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
         p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
+    if cfg.critic_warmup and cfg.algo not in ("ppo", "tppo"):
+        p.error(f"--critic-warmup {cfg.critic_warmup}: only ppo and tppo have a critic to warm up; under "
+                f"{cfg.algo} the policy would stand still for {cfg.critic_warmup} iterations")
+    if cfg.algo == "grpo" and cfg.samples_per_prompt == 1:
+        p.error("--samples-per-prompt 1: GRPO's advantage is a reward less its group's mean, always 0 in a "
+                "group of one; give at least 2")
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
+    ignored = {}  # setting -> why, for those the command line gave (not a preset's)
+    for names, ignores, why in IGNORED:
+        for name in names:
+            if name in given and name not in ignored and ignores(cfg):
+                ignored[name] = why.format(**vars(cfg))
+    for name, why in ignored.items() if os.environ.get("RANK", "0") == "0" else ():  # torchrun: one says it
+        print(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)}: ignored ({why})", file=sys.stderr)
     return cfg
+
+
+# The settings a run reads only sometimes: (settings, when they are ignored, why); given, said once
+IGNORED = (
+    (("critic_lr", "lam_critic", "value_clip", "gamma", "lam"), lambda c: c.algo not in ("ppo", "tppo"),
+     "only ppo and tppo have a critic and GAE, not {algo}"),
+    (("value_clip", "lam_critic"), lambda c: c.value_head != "scalar",
+     "the {value_head} head learns the outcome itself: no GAE targets, no value clipping"),
+    (("mc_rollouts", "max_value_states", "mc_max_rollouts", "mc_increment", "mc_ci_width", "mc_reuse",
+      "mc_top_up"), lambda c: c.algo != "vineppo", "only vineppo has MC values, not {algo}"),
+    (("mc_increment", "mc_ci_width"), lambda c: not c.mc_max_rollouts,
+     "adaptive MC values are off: --mc-max-rollouts 0"),
+    (("arith_steps", "arith_slip", "arith_traps"), lambda c: c.data != "arith",
+     "the built-in task's, not --data {data}'s"),
+)
 
 
 TRAINING = ("time_rollout", "time_logprobs", "time_mc_values", "time_critic_values", "time_advantages",
@@ -317,7 +361,8 @@ def stop(signum, frame):
 
 if __name__ == "__main__":
     cfg = parse_args()
-    signal.signal(signal.SIGTERM, stop)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # from here on a stop says where the run can continue
+        signal.signal(signum, stop)
     try:
         main(cfg)
         parallel.close()

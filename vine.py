@@ -83,7 +83,8 @@ def value_samples(key, e: int, rewards: dict, through: dict, episodes) -> list[f
 def more_rollouts(rewards: list[float], increment: int, max_k: int, ci_width: float) -> int:
     """How many more continuations a state gets by the reference's rule (treetune's
     ConfidenceIntervalAwareEfficientIIDExpander): `increment` at a time while n < max_k and the 95% interval
-    of the mean p of n rewards in [0, 1], 2 * 1.96 * sqrt(p (1 - p) / n), is wider than ci_width. Rounds
+    of the mean p of n rewards in [0, 1], 2 * 1.96 * sqrt(p (1 - p) / n), is wider than ci_width; the last
+    round is cut to end at max_k (the reference's rounds step past it: 2, +50, <= 3 drew 52). Rounds
     after which no outcome could stop are taken at once (the same counts, fewer generate calls).
     Sequential stopping biases the mean toward the ends: a state stops early only when its first rewards
     agree. With the reference's 10, +4, 30, 0.05 the expected V_hat of a state of value 0.9 is 0.923 and of
@@ -96,7 +97,7 @@ def more_rollouts(rewards: list[float], increment: int, max_k: int, ci_width: fl
     # p (1 - p) is concave in the new total, in [total, total + m - n]: its least width is at an end
     while m < max_k and min(width(total, m), width(total + m - n, m)) > ci_width:
         m += increment
-    return m - n
+    return min(m, max_k) - n
 
 
 def distinct_states(episodes: list[rollout.Episode], max_states: int = 0) -> dict:
