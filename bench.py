@@ -36,6 +36,7 @@ import gc
 import io
 import json
 import os
+import random
 import re
 import signal
 import statistics
@@ -315,9 +316,10 @@ MODES = {
                 # plain sampling: GSM8K-long prompts (~80 tokens), the iteration's prompts x samples: the
                 # rollout of one GPU of eight (8 prompts) and of one GPU alone (64 prompts)
                 plain=dict(prompt_tokens=80, new_tokens=128),
-                # fork benchmark: 64 trajectories of prompt + response, 4 states each, K 9, train.py's budget
-                fork=dict(trajectories=64, traj_len=192, states=4, k=9, new_tokens=64, repeats=2,
-                          max_batch_tokens=524288),
+                # fork benchmark: 32 trajectories of prompt + response, 4 states each, K 9, in generate calls
+                # of 468 rows: what train.py's 524,288-token budget holds at its 1,024-token response budget
+                fork=dict(trajectories=32, traj_len=192, states=4, k=9, new_tokens=64, repeats=2,
+                          max_batch_tokens=106496),
                 # one iteration: a GPU's share of the paper's 64 x 8 over 8 GPUs, the reference's per-device
                 # batch 8 with gradient checkpointing (McGill-NLP/VinePPO configs/trainers/ppo_MATH.jsonnet)
                 train=dict(prompts=8, samples=8, minibatch=8, micro_batch=8, max_new_tokens=128,
@@ -327,7 +329,7 @@ MODES = {
                                             iteration_ppo=8, iteration_grpo=6, iteration_tppo=8, estimate=5),
                   plain=dict(prompt_tokens=16, new_tokens=8),
                   fork=dict(trajectories=4, traj_len=40, states=2, k=3, new_tokens=8, repeats=1,
-                            max_batch_tokens=524288),
+                            max_batch_tokens=256),
                   train=dict(prompts=2, samples=2, minibatch=4, micro_batch=2, max_new_tokens=16, newline_every=4)),
 }
 ALGOS = ("vineppo", "ppo", "grpo", "tppo")  # in order of importance: tppo is the first to lose its time
@@ -335,7 +337,8 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "
 # Tokens an iteration of the paper's GSM8K run generates (64 prompts x 8 samples, K 9, <= 26 states), counted
 # by `--count-mc-tokens` on GSM8K's 7,473 training solutions (the SFT targets the policy imitates) with a
 # Llama 2 tokenizer (rho-math-1.1b's): a count on stand-in responses, not a measurement of a policy.
-GSM8K_TOKENS = dict(response=50825, mc=805769)
+# straggler: a generate call decodes its 474 rows until the longest stops, 3.0x the mean response.
+GSM8K_TOKENS = dict(response=50825, mc=805769, straggler=3.01)
 
 
 class OutOfTime(BaseException):  # not an Exception: no `except Exception` inside train.py swallows it
@@ -538,8 +541,11 @@ def choose_new_tokens(ctx) -> dict:
 
 
 def train_argv(ctx, algo: str, out: str) -> list[str]:
+    """One iteration, no evaluation; generate calls of as many rows as a real run's (its budget of 524,288 tokens
+    at prompts of about 80 and --max-new-tokens 1024), though a random model's responses are shorter."""
     train = ctx.report["settings"]["train"]
-    return ["--model", ctx.model_dir, "--data", FIXTURE, "--algo", algo, "--out", out, "--device", ctx.device,
+    batch_tokens = 524288 * (80 + train["max_new_tokens"]) // (80 + 1024)
+    return ["--max-batch-tokens", str(batch_tokens), "--model", ctx.model_dir, "--data", FIXTURE, "--algo", algo, "--out", out, "--device", ctx.device,
             "--iterations", "1", "--precision", "bf16", "--prompts-per-iter", str(train["prompts"]),
             "--samples-per-prompt", str(train["samples"]), "--minibatch", str(train["minibatch"]),
             "--micro-batch", str(train["micro_batch"]), "--max-new-tokens", str(train["max_new_tokens"]),
@@ -610,8 +616,9 @@ def model_state_bytes(shape: dict, critic: bool) -> int:
 
 def estimate(ctx, result):
     """Hours of the paper's 650 GSM8K iterations, arithmetic on measured rates: the tokens an iteration
-    generates (GSM8K_TOKENS) over the measured tokens/s, plus the measured seconds of the iteration's
-    other phases. 8 GPUs: each its eighth at a GPU's share's rates; communication not counted."""
+    generates (GSM8K_TOKENS) over the measured tokens/s, plus the measured seconds of the iteration's other
+    phases (8 GPUs: each GPU an eighth of the tokens at its share's rates; communication not counted).
+    *_stragglers: the generation x GSM8K_TOKENS["straggler"], a generate call running to its longest row."""
     parts, train = ctx.report["parts"], ctx.report["settings"]["train"]
     rows = train["prompts"] * train["samples"]
     rates = {"plain_one_gpu": rate(ctx.report, 8 * rows), "plain_eight_gpus": rate(ctx.report, rows),
@@ -620,16 +627,19 @@ def estimate(ctx, result):
         raise RuntimeError("needs the generation part's tokens/s")
     result.update(iterations=650, tokens_per_iteration=GSM8K_TOKENS, tokens_per_s=rates, hours={},
                   label="arithmetic on measured rates and counted tokens, not a measured run")
+    hours = lambda seconds: round(650 * seconds / 3600, 2)
     for algo in ALGOS:
         measured = parts.get(f"iteration_{algo}", {}).get("time")
         if not measured:
             continue
         other = measured["seconds"] - measured["time_rollout"] - measured["time_mc_values"]
-        mc = GSM8K_TOKENS["mc"] if algo == "vineppo" else 0
-        one = GSM8K_TOKENS["response"] / rates["plain_one_gpu"] + mc / rates["fork"] + 8 * other
-        eight = (GSM8K_TOKENS["response"] / rates["plain_eight_gpus"] + mc / rates["fork"]) / 8 + other
-        result["hours"][algo] = {"one_gpu": round(650 * one / 3600, 2), "eight_gpus": round(650 * eight / 3600, 2),
-                                 "eight_gpus_as_measured": round(650 * measured["seconds"] / 3600, 2)}
+        mc = GSM8K_TOKENS["mc"] / rates["fork"] if algo == "vineppo" else 0.0
+        one = GSM8K_TOKENS["response"] / rates["plain_one_gpu"] + mc
+        eight = (GSM8K_TOKENS["response"] / rates["plain_eight_gpus"] + mc) / 8
+        slower = GSM8K_TOKENS["straggler"]
+        result["hours"][algo] = dict(one_gpu=hours(one + 8 * other), one_gpu_stragglers=hours(slower * one + 8 * other),
+                                     eight_gpus=hours(eight + other), eight_gpus_stragglers=hours(slower * eight + other),
+                                     eight_gpus_as_measured=hours(measured["seconds"]))
 
 
 def write_report(ctx):
@@ -729,9 +739,11 @@ def estimate_table(estimate: dict) -> list[str]:
              f"{tokens['response']:,} response and {tokens['mc']:,} MC tokens an iteration (counted on GSM8K's "
              f"solutions, bench.py --count-mc-tokens) at plain {rates['plain_one_gpu']:,.0f} tokens/s (one GPU's "
              f"batch) or {rates['plain_eight_gpus']:,.0f} (a GPU's share of 8) and MC {rates['fork']:,.0f}, plus "
-             "the other phases measured above (x 8 on one GPU); communication between GPUs not counted.", "",
-             "| --algo | 1 GPU | 8 GPUs | 8 GPUs: the iteration above x 650 |", "| --- | --- | --- | --- |"]
-    lines += [f"| {algo} | {h['one_gpu']:.1f} h | {h['eight_gpus']:.1f} h | {h['eight_gpus_as_measured']:.1f} h |"
+             "the other phases measured above (x 8 on one GPU); communication between GPUs not counted. "
+             f"The second figure: generation x {tokens['straggler']}, a generate call running until its longest row "
+             "stops.", "", "| --algo | 1 GPU | 8 GPUs | 8 GPUs: the iteration above x 650 |", "| --- | --- | --- | --- |"]
+    lines += [f"| {algo} | {h['one_gpu']:.1f}-{h['one_gpu_stragglers']:.1f} h | {h['eight_gpus']:.1f}-"
+              f"{h['eight_gpus_stragglers']:.1f} h | {h['eight_gpus_as_measured']:.1f} h |"
               for algo, h in estimate["hours"].items()]
     return lines + [""]
 
@@ -739,23 +751,29 @@ def estimate_table(estimate: dict) -> list[str]:
 # ---- the tokens an iteration generates (--count-mc-tokens) ------------------------------------------------
 
 def mc_token_count(tok, problems: list[dict], prompts: int = 64, samples: int = 8, k: int = 9,
-                   max_states: int = 26) -> dict:
+                   max_states: int = 26, max_new_tokens: int = 1024, max_batch_tokens: int = 524288) -> dict:
     """Tokens one iteration generates at these settings if the policy's responses were the gold solutions
     (the SFT targets it imitates): prompts x samples responses of the mean length; MC, k continuations of
     each state (the prompt once per prompt, the later states of different responses distinct), each as
-    long as the rest of the response it continues."""
-    lengths, rests, steps = [], [], []
+    long as the rest of the response it continues. A generate call decodes until its longest row stops:
+    `straggler` is the longest of a call's rows (as many as max_batch_tokens holds at the full token budget)
+    over the mean, drawn from these lengths: how much more decoding than tokens there is, at most."""
+    lengths, rests, steps, prompt_lengths = [], [], [], []
     for p in problems:
         ids, n_prompt = reward.sft_example(tok, reward.PROMPT.format(question=p["question"].strip()), p["answer"])
         response = ids[n_prompt:]
         starts = vine.response_step_starts(tok, response)
         lengths.append(len(response))
+        prompt_lengths.append(n_prompt)
         steps.append(len(starts))
         rests.append(sum(len(response) - b for b in starts[1:max_states or None]))
-    mean = statistics.mean
+    mean, rng = statistics.mean, random.Random(0)
+    rows = max(1, max_batch_tokens // round(mean(prompt_lengths) + max_new_tokens))
+    longest = mean(max(rng.choices(lengths, k=rows)) for _ in range(200))
     return {"problems": len(problems), "response_tokens": mean(lengths), "steps": mean(steps),
             "response_tokens_per_iteration": prompts * samples * mean(lengths),
-            "mc_tokens_per_iteration": k * (prompts * mean(lengths) + prompts * samples * mean(rests))}
+            "mc_tokens_per_iteration": k * (prompts * mean(lengths) + prompts * samples * mean(rests)),
+            "rows_per_generate_call": rows, "straggler": longest / mean(lengths)}
 
 
 def count_mc_tokens(data: str, tokenizer: str) -> dict:

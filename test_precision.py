@@ -323,7 +323,8 @@ def test_gpu_report_smoke_fills_every_field(tmp_path, capsys):
     hours = parts["estimate"]["hours"]
     assert set(hours) == set(bench.ALGOS) and parts["estimate"]["tokens_per_iteration"] == bench.GSM8K_TOKENS
     for h in hours.values():
-        assert 0 < h["eight_gpus"] < h["one_gpu"] and h["eight_gpus_as_measured"] > 0
+        assert 0 < h["eight_gpus"] < h["one_gpu"] < h["one_gpu_stragglers"] and h["eight_gpus_as_measured"] > 0
+        assert h["eight_gpus"] < h["eight_gpus_stragglers"] < h["one_gpu_stragglers"]
     assert hours["vineppo"]["one_gpu"] > hours["grpo"]["one_gpu"]  # the MC tokens
     table = (tmp_path / "gpu-report.md").read_text()
     assert table.strip() == bench.markdown(report).strip() and "smoke run" in table and "LiveTensorBytes" in table
@@ -400,6 +401,11 @@ def test_mc_token_count_hand_case(tmp_path):
     counted = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3)
     assert counted["response_tokens"] == 13 and counted["steps"] == 2
     assert counted["response_tokens_per_iteration"] == 26 and counted["mc_tokens_per_iteration"] == 105
+    assert counted["straggler"] == 1.0 and counted["rows_per_generate_call"] == 524288 // (35 + 1024)  # BOS + 34
+    # and '\n#### 1\n' + EOS, 9 tokens, one step: means 11 tokens and 5.5 after the first step; the
+    # longest of 495 rows drawn from both is (surely) 13
+    both = bench.mc_token_count(tok, problems + [{"question": "Q?", "answer": "#### 1"}], prompts=1, samples=2, k=3)
+    assert both["mc_tokens_per_iteration"] == 3 * (11 + 2 * 5.5) and both["straggler"] == 13 / 11
     capped = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3, max_states=1)
     assert capped["mc_tokens_per_iteration"] == 3 * 13
 
