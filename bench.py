@@ -27,7 +27,13 @@ every method, naive included, needs those log-probs for the PPO loss, so it is n
 the MC values. The model is random-init (speed does not depend on the weights) and the
 trajectories are random tokens. Methods are interleaved, each repeat in a rotated order, and
 the median of the repeats is reported. The last printed line is one JSON object.
-Every option has a rule; a bad one ends in one line and exit status 2.
+
+--gpu-report OUT measures, in one time-boxed run, what no GPU has measured yet: tokens/s of sampling
+and of MC continuations at rho-math-1.1b's shape, the peak memory and seconds per phase of one
+train.py iteration of each --algo, and from them the hours of the paper's run (the section "the GPU
+report" below; docs/speed-and-memory.md). --count-mc-tokens counts the tokens one iteration of the
+paper's GSM8K run generates, with gold solutions as the responses. Every option has a rule: a bad one
+ends in one line and exit status 2.
 """
 import argparse
 import contextlib
@@ -623,23 +629,25 @@ def estimate(ctx, result):
     rows = train["prompts"] * train["samples"]
     rates = {"plain_one_gpu": rate(ctx.report, 8 * rows), "plain_eight_gpus": rate(ctx.report, rows),
              "fork": rate(ctx.report)}
-    if not all(rates.values()):
-        raise RuntimeError("needs the generation part's tokens/s")
     result.update(iterations=650, tokens_per_iteration=GSM8K_TOKENS, tokens_per_s=rates, hours={},
-                  label="arithmetic on measured rates and counted tokens, not a measured run")
-    hours = lambda seconds: round(650 * seconds / 3600, 2)
+                  label="arithmetic on measured rates and counted tokens, not a measured run",
+                  missing=[name for name, r in rates.items() if not r])  # without them: the last figure only
+    hours = lambda seconds: None if seconds is None else round(650 * seconds / 3600, 2)
     for algo in ALGOS:
         measured = parts.get(f"iteration_{algo}", {}).get("time")
         if not measured:
+            continue
+        result["hours"][algo] = dict.fromkeys(("one_gpu", "one_gpu_stragglers", "eight_gpus", "eight_gpus_stragglers"))
+        result["hours"][algo]["eight_gpus_as_measured"] = hours(measured["seconds"])
+        if result["missing"]:
             continue
         other = measured["seconds"] - measured["time_rollout"] - measured["time_mc_values"]
         mc = GSM8K_TOKENS["mc"] / rates["fork"] if algo == "vineppo" else 0.0
         one = GSM8K_TOKENS["response"] / rates["plain_one_gpu"] + mc
         eight = (GSM8K_TOKENS["response"] / rates["plain_eight_gpus"] + mc) / 8
         slower = GSM8K_TOKENS["straggler"]
-        result["hours"][algo] = dict(one_gpu=hours(one + 8 * other), one_gpu_stragglers=hours(slower * one + 8 * other),
-                                     eight_gpus=hours(eight + other), eight_gpus_stragglers=hours(slower * eight + other),
-                                     eight_gpus_as_measured=hours(measured["seconds"]))
+        result["hours"][algo].update(one_gpu=hours(one + 8 * other), one_gpu_stragglers=hours(slower * one + 8 * other),
+                                     eight_gpus=hours(eight + other), eight_gpus_stragglers=hours(slower * eight + other))
 
 
 def write_report(ctx):
@@ -737,13 +745,16 @@ def estimate_table(estimate: dict) -> list[str]:
     tokens, rates = estimate["tokens_per_iteration"], estimate["tokens_per_s"]
     lines = ["## Estimate: hours of the paper's 650 GSM8K iterations (arithmetic on the rates above)", "",
              f"{tokens['response']:,} response and {tokens['mc']:,} MC tokens an iteration (counted on GSM8K's "
-             f"solutions, bench.py --count-mc-tokens) at plain {rates['plain_one_gpu']:,.0f} tokens/s (one GPU's "
-             f"batch) or {rates['plain_eight_gpus']:,.0f} (a GPU's share of 8) and MC {rates['fork']:,.0f}, plus "
-             "the other phases measured above (x 8 on one GPU); communication between GPUs not counted. "
-             f"The second figure: generation x {tokens['straggler']}, a generate call running until its longest row "
-             "stops.", "", "| --algo | 1 GPU | 8 GPUs | 8 GPUs: the iteration above x 650 |", "| --- | --- | --- | --- |"]
-    lines += [f"| {algo} | {h['one_gpu']:.1f}-{h['one_gpu_stragglers']:.1f} h | {h['eight_gpus']:.1f}-"
-              f"{h['eight_gpus_stragglers']:.1f} h | {h['eight_gpus_as_measured']:.1f} h |"
+             f"solutions, bench.py --count-mc-tokens) at plain {cell(rates['plain_one_gpu'], ',.0f')} tokens/s "
+             f"(one GPU's batch) or {cell(rates['plain_eight_gpus'], ',.0f')} (a GPU's share of 8) and MC "
+             f"{cell(rates['fork'], ',.0f')}, plus the other phases measured above (x 8 on one GPU); communication "
+             f"between GPUs not counted. The second figure: generation x {tokens['straggler']}, a generate call "
+             "running until its longest row stops." + (f" Missing rates: {', '.join(estimate['missing'])}."
+                                                      if estimate["missing"] else ""), "",
+             "| --algo | 1 GPU, hours | 8 GPUs, hours | 8 GPUs: the iteration above x 650 |", "| --- | --- | --- | --- |"]
+    span = lambda low, high: "—" if low is None else f"{low:.1f}-{high:.1f}"
+    lines += [f"| {algo} | {span(h['one_gpu'], h['one_gpu_stragglers'])} | "
+              f"{span(h['eight_gpus'], h['eight_gpus_stragglers'])} | {h['eight_gpus_as_measured']:.1f} |"
               for algo, h in estimate["hours"].items()]
     return lines + [""]
 

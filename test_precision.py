@@ -322,6 +322,7 @@ def test_gpu_report_smoke_fills_every_field(tmp_path, capsys):
         check_iteration(parts[f"iteration_{algo}"], algo, report["settings"]["train"])
     hours = parts["estimate"]["hours"]
     assert set(hours) == set(bench.ALGOS) and parts["estimate"]["tokens_per_iteration"] == bench.GSM8K_TOKENS
+    assert parts["estimate"]["missing"] == [] and all(v > 0 for v in parts["estimate"]["tokens_per_s"].values())
     for h in hours.values():
         assert 0 < h["eight_gpus"] < h["one_gpu"] < h["one_gpu_stragglers"] and h["eight_gpus_as_measured"] > 0
         assert h["eight_gpus"] < h["eight_gpus_stragglers"] < h["one_gpu_stragglers"]
