@@ -326,17 +326,17 @@ MODES = {
                 # of 468 rows: what train.py's 524,288-token budget holds at its 1,024-token response budget
                 fork=dict(trajectories=32, traj_len=192, states=4, k=9, new_tokens=64, repeats=2,
                           max_batch_tokens=106496),
-                # one iteration: a GPU's share of the paper's 64 x 8 over 8 GPUs, the reference's per-device
+                # train.py: a GPU's share of the paper's 64 x 8 over 8 GPUs, the reference's per-device
                 # batch 8 with gradient checkpointing (McGill-NLP/VinePPO configs/trainers/ppo_MATH.jsonnet)
                 train=dict(prompts=8, samples=8, minibatch=8, micro_batch=8, max_new_tokens=128,
                            newline_every=25)),
     "smoke": dict(shape=dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=2048, context=512),
-                  budget_s=55, budgets=dict(environment=5, model_files=10, generation=12, iteration_vineppo=10,
-                                            iteration_ppo=8, iteration_grpo=6, iteration_tppo=8, estimate=5),
+                  budget_s=55, budgets=dict(environment=5, model_files=10, generation=12, iteration_vineppo=15,
+                                            iteration_ppo=10, iteration_grpo=8, iteration_tppo=10, estimate=5),
                   plain=dict(prompt_tokens=16, new_tokens=8),
                   fork=dict(trajectories=4, traj_len=40, states=2, k=3, new_tokens=8, repeats=1,
                             max_batch_tokens=256),
-                  train=dict(prompts=2, samples=2, minibatch=4, micro_batch=2, max_new_tokens=16, newline_every=4)),
+                  train=dict(prompts=2, samples=2, minibatch=4, micro_batch=2, max_new_tokens=12, newline_every=4)),
 }
 ALGOS = ("vineppo", "ppo", "grpo", "tppo")  # in order of importance: tppo is the first to lose its time
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "gsm8k_sample.jsonl")
@@ -529,7 +529,8 @@ def rate(report: dict, rows: int | None = None, precision: str = "autocast") -> 
 
 def choose_new_tokens(ctx) -> dict:
     """The response budget of the iterations: the largest of L, L/2, L/4, ... whose VinePPO generation,
-    predicted from the measured rates, takes at most half the VinePPO part's budget (L without rates)."""
+    predicted from the measured rates, takes at most a quarter of the VinePPO part's budget (it runs two
+    iterations); L without rates."""
     train, fork = ctx.mode["train"], ctx.mode["fork"]
     rows = train["prompts"] * train["samples"]
     plain_rate, fork_rate = rate(ctx.report, rows), rate(ctx.report)
@@ -541,18 +542,17 @@ def choose_new_tokens(ctx) -> dict:
         mc = fork["k"] * (train["prompts"] + rows * (states - 1)) * budget / 2  # each runs the rest, L/2 on average
         predicted = rows * budget / plain_rate + mc / fork_rate
         chosen = {"max_new_tokens": max(budget, 2), "predicted_generation_s": round(predicted, 2)}
-        if predicted <= ctx.mode["budgets"]["iteration_vineppo"] / 2:
+        if predicted <= ctx.mode["budgets"]["iteration_vineppo"] / 4:
             break
     return chosen
 
 
 def train_argv(ctx, algo: str, out: str) -> list[str]:
-    """One iteration, no evaluation; generate calls of as many rows as a real run's (its budget of 524,288 tokens
-    at prompts of about 80 and --max-new-tokens 1024), though a random model's responses are shorter."""
+    """Two iterations (the second's phases; the peak over both: only from the second on are AdamW's moments
+    alive while sampling), no evaluation; train.py's generation budget, so its buffers are a real run's."""
     train = ctx.report["settings"]["train"]
-    batch_tokens = 524288 * (80 + train["max_new_tokens"]) // (80 + 1024)
-    return ["--max-batch-tokens", str(batch_tokens), "--model", ctx.model_dir, "--data", FIXTURE, "--algo", algo, "--out", out, "--device", ctx.device,
-            "--iterations", "1", "--precision", "bf16", "--prompts-per-iter", str(train["prompts"]),
+    return ["--model", ctx.model_dir, "--data", FIXTURE, "--algo", algo, "--out", out, "--device", ctx.device,
+            "--iterations", "2", "--precision", "bf16", "--prompts-per-iter", str(train["prompts"]),
             "--samples-per-prompt", str(train["samples"]), "--minibatch", str(train["minibatch"]),
             "--micro-batch", str(train["micro_batch"]), "--max-new-tokens", str(train["max_new_tokens"]),
             "--gradient-checkpointing", "--eval-every", "0", "--save-every", "0"]
@@ -582,7 +582,7 @@ def peak_meter(device: str, into: dict):
 
 
 def iteration(ctx, result: dict, algo: str):
-    """One train.py iteration in this process: peak memory, seconds per phase, what it generated.
+    """train.py in this process (train_argv): peak memory, seconds per phase, what its last iteration generated.
     Evaluation and the checkpoint write are no phases of an iteration: no-ops here (a checkpoint of a 1.1B
     policy and its AdamW state is 13 GB, PPO's twice that)."""
     import checkpoint
@@ -724,11 +724,12 @@ def iteration_table(report: dict) -> list[str]:
     runs = {algo: report["parts"].get(f"iteration_{algo}", {}) for algo in ALGOS}
     train = report["settings"]["train"]
     kinds = {run.get("peak_memory_kind") for run in runs.values()} - {None}
-    lines = [f"## Memory and seconds per phase of one train.py iteration", "",
+    lines = ["## Memory and seconds per phase of a train.py iteration", "",
              f"{train['prompts']} prompts x {train['samples']} samples, minibatch {train['minibatch']}, micro-batch "
-             f"{train['micro_batch']}, gradient checkpointing, --max-new-tokens {train['max_new_tokens']}, bf16. "
-             f"Peak memory: {', '.join(sorted(kinds)) or '—'}; model state: arithmetic (16 bytes a trained "
-             "parameter, the reference's bf16 Linears).", "",
+             f"{train['micro_batch']}, gradient checkpointing, --max-new-tokens {train['max_new_tokens']}, bf16; two "
+             "iterations: the peak over both (AdamW's moments exist while sampling from the second on), the "
+             f"phases of the second. Peak memory: {', '.join(sorted(kinds)) or '—'}; model state: arithmetic "
+             "(16 bytes a trained parameter, the reference's bf16 Linears).", "",
              "| --algo | peak memory | model state | " + " | ".join(p[5:] for p in PHASES)
              + " | seconds | episodes | mc_states | mc_tokens |", "| --- " * (len(PHASES) + 7) + "|"]
     for algo, run in runs.items():

@@ -413,9 +413,9 @@ def test_mc_token_count_hand_case(tmp_path):
 
 def test_response_budget_fits_the_vineppo_part():
     """L = 16 predicts 4 x 16 / 16 + 3 x (2 + 4 x 4) x 8 / 120 = 7.6 s (rollout, then K = 3 continuations of
-    the prompt and 4 lines a response, half of L each) > 10 / 2; L = 8: 2 + 3 x (2 + 4 x 2) x 4 / 120 = 3 s."""
+    the prompt and 4 lines a response, half of L each) > 20 / 4; L = 8: 2 + 3 x (2 + 4 x 2) x 4 / 120 = 3 s."""
     mode = {"train": dict(prompts=2, samples=2, max_new_tokens=16, newline_every=4), "fork": dict(k=3),
-            "budgets": {"iteration_vineppo": 10}}
+            "budgets": {"iteration_vineppo": 20}}
     report = {"parts": {"generation": {"plain": [dict(rows=4, precision="autocast", tokens_per_s=16.0)],
                                        "fork": dict(default_method="fork-batch", tokens_per_s={"fork-batch": 120.0})}}}
     chosen = bench.choose_new_tokens(bench.argparse.Namespace(mode=mode, report=report))
