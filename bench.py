@@ -317,8 +317,8 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
 RHO = dict(layers=22, hidden=2048, heads=32, kv_heads=4, intermediate=5632, vocab=32000, context=2048)
 MODES = {
     "gpu": dict(shape=RHO, budget_s=450,  # and about 30 s to start and end the process: 8 minutes
-                budgets=dict(environment=10, model_files=60, generation=120, iteration_vineppo=110, iteration_ppo=60,
-                             iteration_grpo=40, iteration_tppo=45, estimate=5),
+                budgets=dict(environment=10, model_files=60, generation=120, iteration_vineppo=110,
+                             iteration_ppo=60, iteration_grpo=40, iteration_tppo=45, estimate=5),
                 # plain sampling: GSM8K-long prompts (~80 tokens), the iteration's prompts x samples: the
                 # rollout of one GPU of eight (8 prompts) and of one GPU alone (64 prompts)
                 plain=dict(prompt_tokens=80, new_tokens=128),
@@ -440,7 +440,8 @@ def tokenizer_32k(texts: list[str], size: int, newline_every: int):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     lines = [line for text in texts for line in text.split("\n")]
-    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=size // 2, limit_alphabet=70, show_progress=False))
+    trainer = trainers.BpeTrainer(vocab_size=size // 2, limit_alphabet=70, show_progress=False)
+    bpe.train_from_iterator(lines, trainer)
     trained = json.loads(bpe.to_str())["model"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += sorted(trained["vocab"], key=trained["vocab"].get)
@@ -480,22 +481,24 @@ def generation(ctx, result):
     """Tokens/s of plain sampling and of the fork benchmark, in train.py's precision (bf16 autocast over fp32
     weights); plain sampling once more with the weights themselves in bf16."""
     shape, fork, train = ctx.mode["shape"], ctx.mode["fork"], ctx.mode["train"]
-    a = argparse.Namespace(**{k: shape[k] for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")},
-                           **fork, seed=0, dtype="float32", device=ctx.device, temperature=0.6, top_p=0.9)
+    sizes = {k: shape[k] for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")}
+    a = argparse.Namespace(**sizes, **fork, seed=0, dtype="float32", device=ctx.device, temperature=0.6, top_p=0.9)
     model = build_model(a)
     autocast = torch.autocast(torch.device(ctx.device).type, dtype=torch.bfloat16)
     result.update(attention_implementation=model.config._attn_implementation,
                   precision="bf16 autocast over fp32 weights (train.py's --precision bf16)", plain=[])
     plain = dict(ctx.mode["plain"], samples=train["samples"])
-    for prompts in (train["prompts"], 8 * train["prompts"]):  # a GPU's share of eight, and one GPU's whole batch
-        result["plain"].append(plain_sampling(model, shape["vocab"], plain, prompts, ctx.device, autocast, "autocast"))
+    for prompts in (train["prompts"], 8 * train["prompts"]):  # a GPU's share of eight; one GPU's whole batch
+        result["plain"].append(plain_sampling(model, shape["vocab"], plain, prompts, ctx.device, autocast,
+                                              "autocast"))
     with contextlib.redirect_stdout(io.StringIO()):
         forks = speed(a, model, only=("fork-batch", "fork-gather", "decode-only", "forward"), autocast=autocast)
     n = forks["continuation_tokens"]
     result["fork"] = dict(rows=fork["trajectories"] * fork["states"] * fork["k"], continuation_tokens=n,
                           mean_state_len=forks["mean_state_len"], median_s=forks["median_s"],
                           tokens_per_s={k: n / s for k, s in forks["median_s"].items() if k != "forward"},
-                          gather_vs_copy=forks["gather_vs_copy"], overhead_vs_decode_only=forks["overhead_vs_decode_only"],
+                          gather_vs_copy=forks["gather_vs_copy"],
+                          overhead_vs_decode_only=forks["overhead_vs_decode_only"],
                           default_method="fork-gather" if ctx.device.startswith("cuda") else "fork-batch")
     model.to(torch.bfloat16)
     result["plain"].append(plain_sampling(model, shape["vocab"], plain, 8 * train["prompts"], ctx.device,
@@ -637,8 +640,9 @@ def estimate(ctx, result):
         measured = parts.get(f"iteration_{algo}", {}).get("time")
         if not measured:
             continue
-        result["hours"][algo] = dict.fromkeys(("one_gpu", "one_gpu_stragglers", "eight_gpus", "eight_gpus_stragglers"))
-        result["hours"][algo]["eight_gpus_as_measured"] = hours(measured["seconds"])
+        figures = result["hours"][algo] = dict.fromkeys(("one_gpu", "one_gpu_stragglers", "eight_gpus",
+                                                         "eight_gpus_stragglers"))
+        figures["eight_gpus_as_measured"] = hours(measured["seconds"])
         if result["missing"]:
             continue
         other = measured["seconds"] - measured["time_rollout"] - measured["time_mc_values"]
@@ -646,13 +650,14 @@ def estimate(ctx, result):
         one = GSM8K_TOKENS["response"] / rates["plain_one_gpu"] + mc
         eight = (GSM8K_TOKENS["response"] / rates["plain_eight_gpus"] + mc) / 8
         slower = GSM8K_TOKENS["straggler"]
-        result["hours"][algo].update(one_gpu=hours(one + 8 * other), one_gpu_stragglers=hours(slower * one + 8 * other),
-                                     eight_gpus=hours(eight + other), eight_gpus_stragglers=hours(slower * eight + other))
+        figures.update(one_gpu=hours(one + 8 * other), one_gpu_stragglers=hours(slower * one + 8 * other),
+                       eight_gpus=hours(eight + other), eight_gpus_stragglers=hours(slower * eight + other))
 
 
 def write_report(ctx):
     """OUT/gpu-report.json and OUT/gpu-report.md, each replaced whole (a kill leaves the last complete pair)."""
-    for name, text in (("gpu-report.json", json.dumps(ctx.report, indent=1)), ("gpu-report.md", markdown(ctx.report))):
+    files = (("gpu-report.json", json.dumps(ctx.report, indent=1)), ("gpu-report.md", markdown(ctx.report)))
+    for name, text in files:
         path = os.path.join(ctx.out, name)
         try:
             with open(path + ".tmp", "w") as f:
@@ -671,17 +676,19 @@ def cell(value, spec: str = ".3g") -> str:
 
 
 def size(nbytes) -> str:
-    return "—" if nbytes is None else f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    if nbytes is None:
+        return "—"
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def markdown(report: dict) -> str:
     """The report as tables: generation, memory and phases, the estimate, what ran, the parts and budgets."""
     parts = report["parts"]
-    title = "GPU report" if report["mode"] == "gpu" else "GPU report, smoke run (a tiny shape: not the GPU's numbers)"
+    title = "GPU report" + ("" if report["mode"] == "gpu" else ", smoke run (a tiny shape: not the GPU's numbers)")
     lines = [f"# {title}", "", f"`{report['command']}` on {report['device']}, {report['started_utc']} UTC: "
              f"{cell(report['seconds'], '.0f')} s of a {report['budget_s']} s budget. Shape: {report['shape']}; "
-             f"random weights, GSM8K's format (fixtures/gsm8k_sample.jsonl), a tokenizer of {report['shape']['vocab']:,} "
-             "entries made here.", ""]
+             "random weights, GSM8K's format (fixtures/gsm8k_sample.jsonl), a tokenizer of "
+             f"{report['shape']['vocab']:,} entries made here.", ""]
     lines += generation_table(parts.get("generation", {}))
     lines += iteration_table(report)
     lines += estimate_table(parts.get("estimate", {}))
@@ -691,7 +698,7 @@ def markdown(report: dict) -> str:
     lines += [f"| {k} | {cell(env.get(k))} |" for k in ("gpu_name", "gpu_memory", "bf16_supported", "cuda", "torch",
                                                          "transformers", "python", "attention_implementation",
                                                          "params", "vocab", "mean_prompt_tokens", "torch_threads")]
-    lines += ["", "## Parts", "", "| part | status | seconds | budget s | error |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "## Parts", "", "| part | status | seconds | budget s | error |", "| --- " * 5 + "|"]
     lines += [f"| {name} | {p['status']} | {p['seconds']:.1f} | {p['budget_s']:.0f} | {cell(p['error'])} |"
               for name, p in parts.items()]
     return "\n".join(lines)
@@ -700,7 +707,7 @@ def markdown(report: dict) -> str:
 def generation_table(generation: dict) -> list[str]:
     lines = ["## Generation: tokens/s (no row stops early)", "", f"{generation.get('precision', '—')}, "
              f"attention {generation.get('attention_implementation', '—')}; T 0.6, top-p 0.9.", "",
-             "| what | rows | tokens | seconds | tokens/s |", "| --- | --- | --- | --- | --- |"]
+             "| what | rows | tokens | seconds | tokens/s |", "| --- " * 5 + "|"]
     for p in generation.get("plain", []):
         lines.append(f"| plain sampling ({p['precision']}): {p['prompt_tokens']}-token prompts, {p['new_tokens']} "
                      f"new tokens | {p['rows']} | {p['tokens']:,} | {p['seconds']:.2f} | {p['tokens_per_s']:,.0f} |")
@@ -725,18 +732,20 @@ def iteration_table(report: dict) -> list[str]:
     train = report["settings"]["train"]
     kinds = {run.get("peak_memory_kind") for run in runs.values()} - {None}
     lines = ["## Memory and seconds per phase of a train.py iteration", "",
-             f"{train['prompts']} prompts x {train['samples']} samples, minibatch {train['minibatch']}, micro-batch "
-             f"{train['micro_batch']}, gradient checkpointing, --max-new-tokens {train['max_new_tokens']}, bf16; two "
-             "iterations: the peak over both (AdamW's moments exist while sampling from the second on), the "
-             f"phases of the second. Peak memory: {', '.join(sorted(kinds)) or '—'}; model state: arithmetic "
-             "(16 bytes a trained parameter, the reference's bf16 Linears).", "",
+             f"{train['prompts']} prompts x {train['samples']} samples, minibatch {train['minibatch']}, "
+             f"micro-batch {train['micro_batch']}, gradient checkpointing, --max-new-tokens "
+             f"{train['max_new_tokens']}, bf16; two iterations: the peak over both (AdamW's moments exist while "
+             "sampling from the second on), the phases of the second. Peak memory: "
+             f"{', '.join(sorted(kinds)) or '—'}; model state: arithmetic (16 bytes a trained parameter, the "
+             "reference's bf16 Linears).", "",
              "| --algo | peak memory | model state | " + " | ".join(p[5:] for p in PHASES)
              + " | seconds | episodes | mc_states | mc_tokens |", "| --- " * (len(PHASES) + 7) + "|"]
     for algo, run in runs.items():
         time_, metrics = run.get("time", {}), run.get("metrics", {})
-        lines.append(f"| {algo} | {size(run.get('peak_memory_bytes'))} | {size(run.get('model_state_bytes_arithmetic'))}"
-                     " | " + " | ".join(cell(time_.get(p), ".2f") for p in PHASES + ("seconds",)) + " | "
-                     + " | ".join(cell(metrics.get(k)) for k in ("episodes", "mc_states", "mc_tokens")) + " |")
+        memory = f"{size(run.get('peak_memory_bytes'))} | {size(run.get('model_state_bytes_arithmetic'))}"
+        seconds = " | ".join(cell(time_.get(p), ".2f") for p in PHASES + ("seconds",))
+        counts = " | ".join(cell(metrics.get(k)) for k in ("episodes", "mc_states", "mc_tokens"))
+        lines.append(f"| {algo} | {memory} | {seconds} | {counts} |")
     return lines + [""]
 
 
@@ -752,7 +761,7 @@ def estimate_table(estimate: dict) -> list[str]:
              f"between GPUs not counted. The second figure: generation x {tokens['straggler']}, a generate call "
              "running until its longest row stops." + (f" Missing rates: {', '.join(estimate['missing'])}."
                                                       if estimate["missing"] else ""), "",
-             "| --algo | 1 GPU, hours | 8 GPUs, hours | 8 GPUs: the iteration above x 650 |", "| --- | --- | --- | --- |"]
+             "| --algo | 1 GPU, hours | 8 GPUs, hours | 8 GPUs: the iteration above x 650 |", "| --- " * 4 + "|"]
     span = lambda low, high: "—" if low is None else f"{low:.1f}-{high:.1f}"
     lines += [f"| {algo} | {span(h['one_gpu'], h['one_gpu_stragglers'])} | "
               f"{span(h['eight_gpus'], h['eight_gpus_stragglers'])} | {h['eight_gpus_as_measured']:.1f} |"

@@ -305,8 +305,8 @@ def test_gpu_report_smoke_fills_every_field(tmp_path, capsys):
     mode, parts = bench.MODES["smoke"], report["parts"]
     assert report["mode"] == "smoke" and report["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert 0 < report["seconds"] <= report["budget_s"] == mode["budget_s"]
-    assert list(parts) == ["environment", "model_files", "generation"] + [f"iteration_{a}" for a in bench.ALGOS] \
-        + ["estimate"]
+    iterations = [f"iteration_{algo}" for algo in bench.ALGOS]
+    assert list(parts) == ["environment", "model_files", "generation"] + iterations + ["estimate"]
     for name, part in parts.items():
         assert part["status"] == "ok" and part["error"] is None, (name, part["error"])
         assert 0 <= part["seconds"] <= part["budget_s"] + 1 and part["budget_s"] <= mode["budgets"][name]
@@ -316,7 +316,8 @@ def test_gpu_report_smoke_fills_every_field(tmp_path, capsys):
     # 2 layers of 64 wide (16-wide heads, 2 KV heads: 32-wide k, v), 128 intermediate, 2048 untied vocabulary
     layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
     assert parts["model_files"]["params"] == 2 * layer + 2 * 2048 * 64 + 64
-    assert parts["model_files"]["vocab"] == mode["shape"]["vocab"] and parts["model_files"]["mean_prompt_tokens"] > 10
+    assert parts["model_files"]["vocab"] == mode["shape"]["vocab"]
+    assert parts["model_files"]["mean_prompt_tokens"] > 10
     check_generation(parts["generation"], mode)
     for algo in bench.ALGOS:
         check_iteration(parts[f"iteration_{algo}"], algo, report["settings"]["train"])
@@ -328,8 +329,9 @@ def test_gpu_report_smoke_fills_every_field(tmp_path, capsys):
         assert h["eight_gpus"] < h["eight_gpus_stragglers"] < h["one_gpu_stragglers"]
     assert hours["vineppo"]["one_gpu"] > hours["grpo"]["one_gpu"]  # the MC tokens
     table = (tmp_path / "gpu-report.md").read_text()
-    assert table.strip() == bench.markdown(report).strip() and "smoke run" in table and "LiveTensorBytes" in table
-    for heading in ("## Generation", "## Memory and seconds per phase", "## Estimate", "## What ran", "## Parts"):
+    assert table.strip() == bench.markdown(report).strip()
+    assert "smoke run" in table and "LiveTensorBytes" in table
+    for heading in ("## Generation", "## Memory and seconds", "## Estimate", "## What ran", "## Parts"):
         assert heading in table
     assert table in capsys.readouterr().out
 
@@ -386,7 +388,8 @@ def test_a_part_over_its_budget_fails_and_the_report_goes_on(tmp_path):
         bench.run_part(ctx, "slow", lambda ctx, result: (result.update(done=1), clock.sleep(5)))
         bench.run_part(ctx, "next", lambda ctx, result: result.update(value=2))
     slow, after = ctx.report["parts"]["slow"], ctx.report["parts"]["next"]
-    assert slow["status"] == "failed" and slow["error"] == "OutOfTime: over its budget of 1 s" and slow["done"] == 1
+    assert slow["status"] == "failed" and slow["error"] == "OutOfTime: over its budget of 1 s"
+    assert slow["done"] == 1  # what it did before the alarm stays
     assert 1 <= slow["seconds"] < 3 and after["status"] == "ok" and after["value"] == 2
     assert json.loads((tmp_path / "gpu-report.json").read_text())["parts"]["next"]["value"] == 2
 
@@ -402,13 +405,15 @@ def test_mc_token_count_hand_case(tmp_path):
     counted = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3)
     assert counted["response_tokens"] == 13 and counted["steps"] == 2
     assert counted["response_tokens_per_iteration"] == 26 and counted["mc_tokens_per_iteration"] == 105
-    assert counted["straggler"] == 1.0 and counted["rows_per_generate_call"] == 524288 // (35 + 1024)  # BOS + 34
+    assert counted["straggler"] == 1.0
+    assert counted["rows_per_generate_call"] == 524288 // (35 + 1024)  # BOS + the prompt's 34 characters
     # and '\n#### 1\n' + EOS, 9 tokens, one step: means 11 tokens and 5.5 after the first step; the
     # longest of 495 rows drawn from both is (surely) 13
-    both = bench.mc_token_count(tok, problems + [{"question": "Q?", "answer": "#### 1"}], prompts=1, samples=2, k=3)
+    problems.append({"question": "Q?", "answer": "#### 1"})
+    both = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3)
     assert both["mc_tokens_per_iteration"] == 3 * (11 + 2 * 5.5) and both["straggler"] == 13 / 11
-    capped = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3, max_states=1)
-    assert capped["mc_tokens_per_iteration"] == 3 * 13
+    capped = bench.mc_token_count(tok, problems[:1], prompts=1, samples=2, k=3, max_states=1)
+    assert capped["mc_tokens_per_iteration"] == 3 * 13  # the prompt's state only
 
 
 def test_response_budget_fits_the_vineppo_part():
@@ -416,8 +421,9 @@ def test_response_budget_fits_the_vineppo_part():
     the prompt and 4 lines a response, half of L each) > 20 / 4; L = 8: 2 + 3 x (2 + 4 x 2) x 4 / 120 = 3 s."""
     mode = {"train": dict(prompts=2, samples=2, max_new_tokens=16, newline_every=4), "fork": dict(k=3),
             "budgets": {"iteration_vineppo": 20}}
-    report = {"parts": {"generation": {"plain": [dict(rows=4, precision="autocast", tokens_per_s=16.0)],
-                                       "fork": dict(default_method="fork-batch", tokens_per_s={"fork-batch": 120.0})}}}
+    fork = dict(default_method="fork-batch", tokens_per_s={"fork-batch": 120.0})
+    plain = [dict(rows=4, precision="autocast", tokens_per_s=16.0)]
+    report = {"parts": {"generation": {"plain": plain, "fork": fork}}}
     chosen = bench.choose_new_tokens(bench.argparse.Namespace(mode=mode, report=report))
     assert chosen == {"max_new_tokens": 8, "predicted_generation_s": 3.0}
     report["parts"]["generation"] = {}  # no rates: the preset's budget
@@ -462,7 +468,8 @@ def test_bench_without_cuda_ends_in_one_line(args, expected, capsys):
 @NO_CUDA
 def test_the_gpu_command_is_refused_in_one_line_without_cuda(tmp_path):
     """The exact command the GPU will get (docs/gpu.md), rehearsed on a CPU-only torch."""
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--gpu-report", "gpu-report", "--device",
-                        "cuda"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, os.path.join(HERE, "bench.py"), "--gpu-report", "gpu-report", "--device", "cuda"]
+    r = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "gpu-report").exists()
-    assert r.stderr.startswith("error: --device cuda: no CUDA device is available here") and "--smoke" in r.stderr
+    assert r.stderr.startswith("error: --device cuda: no CUDA device is available here")
+    assert "--smoke" in r.stderr  # and what to run instead
