@@ -310,6 +310,7 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
             "gather_vs_copy": ratio("fork-gather", "fork-batch"),
             "median_s": med, "continuation_tokens": n_tokens, "params": n_params, "mean_state_len": mean_len}
 
+
 # ---- the GPU report (--gpu-report OUT): what no GPU has measured yet, in one 8-minute command ----------
 # Parts run in order, each time-boxed and each written to OUT at once: a part that fails or runs out of
 # time records its one-line error, and the report goes on. --smoke runs the same code at a tiny shape.

@@ -311,7 +311,15 @@ def test_gpu_report_smoke_fills_every_field(tmp_path, capsys):
         assert part["status"] == "ok" and part["error"] is None, (name, part["error"])
         assert 0 <= part["seconds"] <= part["budget_s"] + 1 and part["budget_s"] <= mode["budgets"][name]
     env = parts["environment"]
+    import platform
+    import transformers
     assert env["torch"] == torch.__version__ and env["cpu_count"] >= 1 and env["torch_threads"] >= 1
+    assert env["transformers"] == transformers.__version__ and env["python"] == platform.python_version()
+    assert env["cuda"] == torch.version.cuda and (env["bf16_supported"] is None) == (not torch.cuda.is_available())
+    assert report["command"] == f"python bench.py --gpu-report {tmp_path} --smoke"
+    assert report["shape"] == mode["shape"]
+    train = report["settings"]["train"]
+    assert 2 <= train["max_new_tokens"] <= mode["train"]["max_new_tokens"] and train["predicted_generation_s"] > 0
     assert (env["gpu_name"] is None) == (env["gpu_memory_bytes"] is None) == (not torch.cuda.is_available())
     # 2 layers of 64 wide (16-wide heads, 2 KV heads: 32-wide k, v), 128 intermediate, 2048 untied vocabulary
     layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
@@ -324,6 +332,7 @@ def test_gpu_report_smoke_fills_every_field(tmp_path, capsys):
     hours = parts["estimate"]["hours"]
     assert set(hours) == set(bench.ALGOS) and parts["estimate"]["tokens_per_iteration"] == bench.GSM8K_TOKENS
     assert parts["estimate"]["missing"] == [] and all(v > 0 for v in parts["estimate"]["tokens_per_s"].values())
+    assert parts["estimate"]["iterations"] == 650 and "arithmetic" in parts["estimate"]["label"]
     for h in hours.values():
         assert 0 < h["eight_gpus"] < h["one_gpu"] < h["one_gpu_stragglers"] and h["eight_gpus_as_measured"] > 0
         assert h["eight_gpus"] < h["eight_gpus_stragglers"] < h["one_gpu_stragglers"]
@@ -352,6 +361,7 @@ def check_generation(generation: dict, mode: dict):
     assert all(v > 0 for v in forks["tokens_per_s"].values()) and forks["gather_vs_copy"] > 0
     assert forks["default_method"] == ("fork-gather" if torch.cuda.is_available() else "fork-batch")
     assert generation["attention_implementation"] in ("sdpa", "eager", "flash_attention_2")
+    assert "autocast over fp32 weights" in generation["precision"]
 
 
 def check_iteration(run: dict, algo: str, train: dict):
