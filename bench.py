@@ -343,7 +343,8 @@ ALGOS = ("vineppo", "ppo", "grpo", "tppo")  # in order of importance: tppo is th
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "gsm8k_sample.jsonl")
 # Tokens an iteration of the paper's GSM8K run generates (64 prompts x 8 samples, K 9, <= 26 states), counted
 # by `--count-mc-tokens` on GSM8K's 7,473 training solutions (the SFT targets the policy imitates) with a
-# Llama 2 tokenizer (rho-math-1.1b's): a count on stand-in responses, not a measurement of a policy.
+# Llama 2 tokenizer (rho-math-1.1b's): a count on stand-in responses, not a measurement of a policy; its MC
+# tokens are an upper bound (a policy's samples share states, each estimated once).
 # straggler: a generate call decodes its 474 rows until the longest stops, 3.0x the mean response.
 GSM8K_TOKENS = dict(response=50825, mc=805769, straggler=3.01)
 
