@@ -483,3 +483,17 @@ def test_the_gpu_command_is_refused_in_one_line_without_cuda(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "gpu-report").exists()
     assert r.stderr.startswith("error: --device cuda: no CUDA device is available here")
     assert "--smoke" in r.stderr  # and what to run instead
+
+
+def test_the_gpu_reports_32k_tokenizer():
+    """The GPU's tokenizer (the smoke run makes a 2,048 one): 32,000 entries, Llama's specials first, the
+    fixture's text round-trips, and one filler in 25 ends in a newline (a step for a random model)."""
+    problems = bench.reward.read_jsonl(bench.FIXTURE)
+    texts = [bench.reward.PROMPT.format(question=p["question"]) for p in problems]
+    tok = bench.tokenizer_32k(texts, 32000, 25)
+    vocab = tok.get_vocab()
+    assert len(tok) == len(vocab) == 32000 and (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    fillers = [t for t in vocab if t.startswith("▁w") and t.rstrip("\n")[2:].isdigit()]
+    assert sum(t.endswith("\n") for t in fillers) == (len(fillers) + 24) // 25 and len(fillers) > 25000
+    ids = tok(texts[0], add_special_tokens=False).input_ids
+    assert tok.decode(ids) == texts[0] and len(ids) < len(texts[0]) / 3  # words, not characters
