@@ -293,3 +293,207 @@ def test_each_algo_runs_in_bf16_on_cpu(tmp_path, algo, extra):
         assert ("value_loss" in row) == (algo in ("ppo", "tppo"))
         assert (row["mc_states"] > 0) == (algo == "vineppo")
     assert json.loads((tmp_path / "config.json").read_text())["precision"] == "bf16"  # the run's settings
+
+
+# ---- the GPU report (bench.py --gpu-report), rehearsed on a CPU --------------------------------
+
+def test_gpu_report_smoke_fills_every_field(tmp_path, capsys):
+    """The GPU report's code at a tiny shape on this CPU (< 1 minute): every part ran, every field
+    holds what it says, memory by the CPU counter, labelled as such."""
+    bench.main(["--gpu-report", str(tmp_path), "--smoke"])
+    report = json.loads((tmp_path / "gpu-report.json").read_text())
+    mode, parts = bench.MODES["smoke"], report["parts"]
+    assert report["mode"] == "smoke" and report["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert 0 < report["seconds"] <= report["budget_s"] == mode["budget_s"]
+    iterations = [f"iteration_{algo}" for algo in bench.ALGOS]
+    assert list(parts) == ["environment", "model_files", "generation"] + iterations + ["estimate"]
+    for name, part in parts.items():
+        assert part["status"] == "ok" and part["error"] is None, (name, part["error"])
+        assert 0 <= part["seconds"] <= part["budget_s"] + 1 and part["budget_s"] <= mode["budgets"][name]
+    env = parts["environment"]
+    import platform
+    import transformers
+    assert env["torch"] == torch.__version__ and env["cpu_count"] >= 1 and env["torch_threads"] >= 1
+    assert env["transformers"] == transformers.__version__ and env["python"] == platform.python_version()
+    assert env["cuda"] == torch.version.cuda and (env["bf16_supported"] is None) == (not torch.cuda.is_available())
+    assert report["command"] == f"python bench.py --gpu-report {tmp_path} --smoke"
+    assert report["shape"] == mode["shape"]
+    train = report["settings"]["train"]
+    assert 2 <= train["max_new_tokens"] <= mode["train"]["max_new_tokens"] and train["predicted_generation_s"] > 0
+    assert (env["gpu_name"] is None) == (env["gpu_memory_bytes"] is None) == (not torch.cuda.is_available())
+    # 2 layers of 64 wide (16-wide heads, 2 KV heads: 32-wide k, v), 128 intermediate, 2048 untied vocabulary
+    layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
+    assert parts["model_files"]["params"] == 2 * layer + 2 * 2048 * 64 + 64
+    assert parts["model_files"]["vocab"] == mode["shape"]["vocab"]
+    assert parts["model_files"]["mean_prompt_tokens"] > 10
+    check_generation(parts["generation"], mode)
+    for algo in bench.ALGOS:
+        check_iteration(parts[f"iteration_{algo}"], algo, report["settings"]["train"])
+    hours = parts["estimate"]["hours"]
+    assert set(hours) == set(bench.ALGOS) and parts["estimate"]["tokens_per_iteration"] == bench.GSM8K_TOKENS
+    assert parts["estimate"]["missing"] == [] and all(v > 0 for v in parts["estimate"]["tokens_per_s"].values())
+    assert parts["estimate"]["iterations"] == 650 and "arithmetic" in parts["estimate"]["label"]
+    for h in hours.values():
+        assert 0 < h["eight_gpus"] < h["one_gpu"] < h["one_gpu_stragglers"] and h["eight_gpus_as_measured"] > 0
+        assert h["eight_gpus"] < h["eight_gpus_stragglers"] < h["one_gpu_stragglers"]
+    assert hours["vineppo"]["one_gpu"] > hours["grpo"]["one_gpu"]  # the MC tokens
+    table = (tmp_path / "gpu-report.md").read_text()
+    assert table.strip() == bench.markdown(report).strip()
+    assert "smoke run" in table and "LiveTensorBytes" in table
+    for heading in ("## Generation", "## Memory and seconds", "## Estimate", "## What ran", "## Parts"):
+        assert heading in table
+    assert table in capsys.readouterr().out
+
+
+def check_generation(generation: dict, mode: dict):
+    train, plain, fork = mode["train"], mode["plain"], mode["fork"]
+    rows = train["prompts"] * train["samples"]  # a GPU's share of eight, one GPU's batch (twice)
+    assert [p["rows"] for p in generation["plain"]] == [rows, 8 * rows, 8 * rows]
+    assert [p["precision"] for p in generation["plain"]] == ["autocast", "autocast", "bf16 weights"]
+    for p in generation["plain"]:
+        assert p["tokens"] == p["rows"] * plain["new_tokens"] and p["seconds"] > 0
+        assert math.isclose(p["tokens_per_s"], p["tokens"] / p["seconds"])
+    forks = generation["fork"]
+    assert forks["rows"] == fork["trajectories"] * fork["states"] * fork["k"]
+    assert forks["continuation_tokens"] == forks["rows"] * fork["new_tokens"]
+    assert set(forks["median_s"]) == {"fork-batch", "fork-gather", "decode-only", "forward"}
+    assert set(forks["tokens_per_s"]) == {"fork-batch", "fork-gather", "decode-only"}
+    assert all(v > 0 for v in forks["tokens_per_s"].values()) and forks["gather_vs_copy"] > 0
+    assert forks["default_method"] == ("fork-gather" if torch.cuda.is_available() else "fork-batch")
+    assert generation["attention_implementation"] in ("sdpa", "eager", "flash_attention_2")
+    assert "autocast over fp32 weights" in generation["precision"]
+
+
+def check_iteration(run: dict, algo: str, train: dict):
+    from train import PHASES
+    critic = algo in ("ppo", "tppo")
+    assert run["model_state_bytes_arithmetic"] == bench.model_state_bytes(bench.MODES["smoke"]["shape"], critic)
+    # the whole run's peak holds at least the model state: weights, gradients, AdamW moments, the reference
+    assert run["peak_memory_bytes"] >= run["model_state_bytes_arithmetic"]
+    assert ("LiveTensorBytes" in run["peak_memory_kind"]) == (not torch.cuda.is_available())
+    assert f"--algo {algo}" in run["argv"] and "MODEL" in run["argv"]
+    assert set(run["time"]) == set(PHASES) | {"seconds"} and all(v >= 0 for v in run["time"].values())
+    assert sum(run["time"][p] for p in PHASES) <= run["time"]["seconds"] + 0.01
+    assert (run["time"]["time_mc_values"] > 0) == (algo == "vineppo") == (run["metrics"]["mc_tokens"] > 0)
+    assert (run["time"]["time_critic_values"] > 0) == critic
+    assert run["metrics"]["episodes"] == train["prompts"] * train["samples"]
+    assert 0 < run["metrics"]["response_tokens"] <= train["max_new_tokens"]
+
+
+def test_model_state_arithmetic_at_rho_shape():
+    """The docs' model-state figures: 19.9 GB for VinePPO (policy 17.6 GB, reference 2.33 GB); PPO's
+    critic is the backbone without the LM head, 16.55 GB more."""
+    vine, ppo_ = bench.model_state_bytes(bench.RHO, False), bench.model_state_bytes(bench.RHO, True)
+    assert round(vine / 1e9, 2) == 19.93 and round(ppo_ / 1e9, 2) == 36.48
+    params = 22 * (2 * 2048**2 + 2 * 2048 * 256 + 3 * 2048 * 5632 + 2 * 2048) + 2 * 32000 * 2048 + 2048
+    assert 16 * params + 2 * (params - 32000 * 2048 - 45 * 2048) + 4 * (32000 * 2048 + 45 * 2048) == vine
+
+
+def test_a_part_over_its_budget_fails_and_the_report_goes_on(tmp_path):
+    import time as clock
+    ctx = bench.argparse.Namespace(out=str(tmp_path), device="cpu", report={"parts": {}, "settings": {}},
+                                   mode={"budgets": {"slow": 1, "next": 5}}, deadline=clock.perf_counter() + 60)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "markdown", lambda report: "table")
+        bench.run_part(ctx, "slow", lambda ctx, result: (result.update(done=1), clock.sleep(5)))
+        bench.run_part(ctx, "next", lambda ctx, result: result.update(value=2))
+    slow, after = ctx.report["parts"]["slow"], ctx.report["parts"]["next"]
+    assert slow["status"] == "failed" and slow["error"] == "OutOfTime: over its budget of 1 s"
+    assert slow["done"] == 1  # what it did before the alarm stays
+    assert 1 <= slow["seconds"] < 3 and after["status"] == "ok" and after["value"] == 2
+    assert json.loads((tmp_path / "gpu-report.json").read_text())["parts"]["next"]["value"] == 2
+
+
+def test_mc_token_count_hand_case(tmp_path):
+    """One problem, response '\\na\\nb\\n#### 1\\n' + EOS (13 char tokens), steps at tokens 0 and 2:
+    per iteration 2 responses of 13; MC 3 x (13 from the prompt, once, + 2 x 11 from step 2)."""
+    from transformers import AutoTokenizer
+    import checkpoint
+    checkpoint.build_tiny_model(str(tmp_path), seed=0)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    problems = [{"question": "Q?", "answer": "a\nb\n#### 1"}]
+    counted = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3)
+    assert counted["response_tokens"] == 13 and counted["steps"] == 2
+    assert counted["response_tokens_per_iteration"] == 26 and counted["mc_tokens_per_iteration"] == 105
+    assert counted["straggler"] == 1.0
+    assert counted["rows_per_generate_call"] == 524288 // (35 + 1024)  # BOS + the prompt's 34 characters
+    # and '\n#### 1\n' + EOS, 9 tokens, one step: means 11 tokens and 5.5 after the first step; the
+    # longest of 495 rows drawn from both is (surely) 13
+    problems.append({"question": "Q?", "answer": "#### 1"})
+    both = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3)
+    assert both["mc_tokens_per_iteration"] == 3 * (11 + 2 * 5.5) and both["straggler"] == 13 / 11
+    capped = bench.mc_token_count(tok, problems[:1], prompts=1, samples=2, k=3, max_states=1)
+    assert capped["mc_tokens_per_iteration"] == 3 * 13  # the prompt's state only
+
+
+def test_response_budget_fits_the_vineppo_part():
+    """L = 16 predicts 4 x 16 / 16 + 3 x (2 + 4 x 4) x 8 / 120 = 7.6 s (rollout, then K = 3 continuations of
+    the prompt and 4 lines a response, half of L each) > 20 / 4; L = 8: 2 + 3 x (2 + 4 x 2) x 4 / 120 = 3 s."""
+    mode = {"train": dict(prompts=2, samples=2, max_new_tokens=16, newline_every=4), "fork": dict(k=3),
+            "budgets": {"iteration_vineppo": 20}}
+    fork = dict(default_method="fork-batch", tokens_per_s={"fork-batch": 120.0})
+    plain = [dict(rows=4, precision="autocast", tokens_per_s=16.0)]
+    report = {"parts": {"generation": {"plain": plain, "fork": fork}}}
+    chosen = bench.choose_new_tokens(bench.argparse.Namespace(mode=mode, report=report))
+    assert chosen == {"max_new_tokens": 8, "predicted_generation_s": 3.0}
+    report["parts"]["generation"] = {}  # no rates: the preset's budget
+    assert bench.choose_new_tokens(bench.argparse.Namespace(mode=mode, report=report))["max_new_tokens"] == 16
+
+
+# ---- bench.py's options: one line and exit 2 -------------------------------------------------
+
+@pytest.mark.parametrize("args, expected", [
+    (["--k", "0"], "--k 0: expected >= 1"),
+    (["--heads", "3"], "--heads 3"),
+    (["--repeats", "0"], "--repeats 0: expected >= 1"),
+    (["--threads", "-1"], "--threads -1: expected >= 0"),
+    (["--states", "0"], "--states 0: expected >= 1"),
+    (["--states", "600"], "expected fewer than --traj-len 600"),
+    (["--vocab", "3"], "--vocab 3: expected >= 4"),
+    (["--memory-model", "/nonexistent"], "--memory-model '/nonexistent': no such directory"),
+    (["--device", "tpu"], "expected 'cpu', 'cuda' or 'cuda:N'"),
+    (["--smoke"], "--smoke: only with --gpu-report OUT"),
+    (["--gpu-report", "OUT", "--smoke", "--k", "3"], "--gpu-report takes only"),
+    (["--train-args", "--lr x"], "argument --lr: invalid float value"),
+])
+def test_bench_bad_options_end_in_one_line(args, expected, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: ") and expected in err and err.count("\n") == 1
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the command would run")
+
+
+@NO_CUDA
+@pytest.mark.parametrize("args, expected", [
+    (["--device", "cuda"], "--device cuda: no CUDA device is available here"),
+    (["--gpu-report", "OUT"], "--gpu-report at rho-math-1.1b's shape needs a GPU (--device cpu); --smoke"),
+])
+def test_bench_without_cuda_ends_in_one_line(args, expected, capsys):
+    test_bench_bad_options_end_in_one_line(args, expected, capsys)
+
+
+@NO_CUDA
+def test_the_gpu_command_is_refused_in_one_line_without_cuda(tmp_path):
+    """The exact command the GPU will get (docs/gpu.md), rehearsed on a CPU-only torch."""
+    command = [sys.executable, os.path.join(HERE, "bench.py"), "--gpu-report", "gpu-report", "--device", "cuda"]
+    r = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "gpu-report").exists()
+    assert r.stderr.startswith("error: --device cuda: no CUDA device is available here")
+    assert "--smoke" in r.stderr  # and what to run instead
+
+
+def test_the_gpu_reports_32k_tokenizer():
+    """The GPU's tokenizer (the smoke run makes a 2,048 one): 32,000 entries, Llama's specials first, the
+    fixture's text round-trips, and one filler in 25 ends in a newline (a step for a random model)."""
+    problems = bench.reward.read_jsonl(bench.FIXTURE)
+    texts = [bench.reward.PROMPT.format(question=p["question"]) for p in problems]
+    tok = bench.tokenizer_32k(texts, 32000, 25)
+    vocab = tok.get_vocab()
+    assert len(tok) == len(vocab) == 32000 and (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    fillers = [t for t in vocab if t.startswith("▁w") and t.rstrip("\n")[2:].isdigit()]
+    assert sum(t.endswith("\n") for t in fillers) == (len(fillers) + 24) // 25 and len(fillers) > 25000
+    ids = tok(texts[0], add_special_tokens=False).input_ids
+    assert tok.decode(ids) == texts[0] and len(ids) < len(texts[0]) / 3  # words, not characters
