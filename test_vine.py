@@ -707,6 +707,46 @@ def test_diagnostic_metrics_hand_examples():
     assert diagnose.delta_correlation(rows, "est") == pytest.approx(1.0)
 
 
+def test_compare_seconds_budget(tmp_path, monkeypatch):
+    """compare.py --seconds: a run is stopped once its complete metrics rows hold that many training
+    seconds; the arms are compared at them, each by its last evaluation by then, with its lag."""
+    import compare
+
+    class Child:  # a train.py that logs an iteration of 4 s at every poll, never ending by itself
+        def __init__(self, cmd):
+            self.args, self.returncode, self.rows = cmd, None, 0
+
+        def poll(self):
+            with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+                self.rows += 1
+                f.write(json.dumps({"iteration": self.rows, "seconds": 4.0, "eval_accuracy": 0.1}) + "\n")
+            return self.returncode
+
+        def terminate(self):
+            self.returncode = 143
+
+        def wait(self):
+            return self.returncode
+
+    os.makedirs(tmp_path / "run")
+    monkeypatch.setattr(compare.subprocess, "Popen", Child)
+    monkeypatch.setattr(compare.time, "sleep", lambda _: None)
+    compare.run(str(tmp_path / "run"), seconds=10)
+    assert compare.training_seconds(str(tmp_path / "run")) == 12.0  # 4, 8, 12: stopped at the first >= 10
+    assert os.path.exists(tmp_path / "run" / "finished")
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 4, "seco')  # a row still being written is not counted
+    assert compare.training_seconds(str(tmp_path / "run")) == 12.0
+    a = [[(0, 0.0, 0.2), (1, 9.0, 0.4), (2, 18.0, 0.6), (3, 27.0, 0.7)], [(0, 0.0, 0.2), (1, 11.0, 0.5)]]
+    b = [[(0, 0.0, 0.2), (1, 4.0, 0.3), (2, 8.0, 0.35), (3, 12.0, 0.4)]]
+    summary = compare.summarize({"a": a, "b": b}, budget=10.0)
+    assert summary["a"]["at_budget"] == pytest.approx((0.3, 0.1)) and summary["a"]["lag"] == pytest.approx(1.0)
+    assert summary["b"]["at_budget"] == (0.35, 0.0) and summary["b"]["lag"] == pytest.approx(0.2)
+    grid, mean, least, most = compare.on_grid(a, points=3)  # the shorter seed ends at 11 s
+    assert grid == [0.0, 5.5, 11.0] and mean == pytest.approx([0.2, 0.2, 0.45])
+    assert least == [0.2, 0.2, 0.4] and most == [0.2, 0.2, 0.5]
+
+
 def test_arith_held_out_questions_are_never_training_questions():
     """For every --arith-steps (with and without traps): each split's questions are distinct and its
     own by split_of, so none is in both; one chain step has 10 * 9 questions, all found, 1 in 5 held out."""
