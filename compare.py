@@ -90,6 +90,7 @@ def summarize(curves: dict, budget: float = 0.0) -> dict:
     lag = lambda c: (budget - [t for _, t, _ in c if t <= budget + 1e-9][-1]) / budget if budget else 0.0
     return {algo: {"start": mean_se([c[0][2] for c in runs]), "final": mean_se([c[-1][2] for c in runs]),
                    "seconds": statistics.mean(c[-1][1] for c in runs), "budget": budget,
+                   "iterations": statistics.mean(c[-1][0] for c in runs),
                    "at_budget": mean_se([accuracy_at(c, budget) for c in runs]), "lag": max(map(lag, runs))}
             for algo, runs in curves.items()}
 
@@ -110,9 +111,10 @@ def report(results: dict, metric: str, equal_time_only: bool = False):
     cell = lambda m_se: f"{m_se[0]:.3f} ± {m_se[1]:.3f}"
     for chains, summary in results.items():
         print(f"\n{metric}, chains of {chains} steps (mean ± s.e. over seeds)")
-        print(f"{'method':8} {'start':>12} {'final':>12} {'seconds':>8} {'at equal time':>16}")
+        print(f"{'method':8} {'start':>12} {'final':>12} {'seconds':>8} {'iterations':>10} {'at equal time':>16}")
         for algo, s in summary.items():
             print(f"{algo:8} {cell(s['start']):>12} {cell(s['final']):>12} {s['seconds']:>8.0f} "
+                  f"{s['iterations']:>10.1f} "
                   f"{cell(s['at_budget']):>16}  (at {s['budget']:.0f} s, evaluated up to {s['lag']:.0%} before)")
     first, last = list(results)[0], list(results)[-1]
     methods = list(results[first])

@@ -742,6 +742,7 @@ def test_compare_seconds_budget(tmp_path, monkeypatch):
     summary = compare.summarize({"a": a, "b": b}, budget=10.0)
     assert summary["a"]["at_budget"] == pytest.approx((0.3, 0.1)) and summary["a"]["lag"] == pytest.approx(1.0)
     assert summary["b"]["at_budget"] == (0.35, 0.0) and summary["b"]["lag"] == pytest.approx(0.2)
+    assert summary["a"]["iterations"] == 2 and summary["b"]["iterations"] == 3  # the mean of the last
     grid, mean, least, most = compare.on_grid(a, points=3)  # the shorter seed ends at 11 s
     assert grid == [0.0, 5.5, 11.0] and mean == pytest.approx([0.2, 0.2, 0.45])
     assert least == [0.2, 0.2, 0.4] and most == [0.2, 0.2, 0.5]
