@@ -43,8 +43,8 @@ def run(out: str, *args, seconds: float = 0.0):
             break
         time.sleep(2)
     else:
-        if child.returncode:
-            raise subprocess.CalledProcessError(child.returncode, child.args)
+        if child.returncode:  # the run has said why in its own line: stop with its exit status
+            sys.exit(child.returncode)
     open(os.path.join(out, "finished"), "w").close()
 
 

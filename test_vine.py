@@ -737,6 +737,11 @@ def test_compare_seconds_budget(tmp_path, monkeypatch):
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"iteration": 4, "seco')  # a row still being written is not counted
     assert compare.training_seconds(str(tmp_path / "run")) == 12.0
+    failing = type("Failing", (Child,), {"poll": lambda self: setattr(self, "returncode", 3) or 3})  # exit 3
+    monkeypatch.setattr(compare.subprocess, "Popen", failing)
+    with pytest.raises(SystemExit) as stop:
+        compare.run(str(tmp_path / "other"), seconds=10)
+    assert stop.value.code == 3 and not os.path.exists(tmp_path / "other" / "finished")
     a = [[(0, 0.0, 0.2), (1, 9.0, 0.4), (2, 18.0, 0.6), (3, 27.0, 0.7)], [(0, 0.0, 0.2), (1, 11.0, 0.5)]]
     b = [[(0, 0.0, 0.2), (1, 4.0, 0.3), (2, 8.0, 0.35), (3, 12.0, 0.4)]]
     summary = compare.summarize({"a": a, "b": b}, budget=10.0)
