@@ -221,7 +221,8 @@ def speed(a) -> dict:
     return {"speedup_vs_naive": med["naive"] / med["fork-batch"],
             "overhead_vs_decode_only": med["fork-batch"] / med["decode-only"],
             "gather_vs_copy": med["fork-gather"] / med["fork-batch"],
-            "fork_batch_padding": padding, "fork_batches": len(cuts), "median_s": med, "continuation_tokens": n_tokens, "params": n_params, "mean_state_len": mean_len}
+            "fork_batch_padding": padding, "fork_batches": len(cuts),
+            "median_s": med, "continuation_tokens": n_tokens, "params": n_params, "mean_state_len": mean_len}
 
 
 if __name__ == "__main__":
