@@ -11,14 +11,18 @@ per chain length, method and accuracy (at T = 0.35 and greedy): held-out accurac
 and at the end (mean and standard error over seeds), training seconds, and the accuracy each
 method had reached when the fastest one finished (equal wall-clock); then VinePPO's lead over
 each other method at equal iterations and at equal wall-clock, and its change with the chain length.
+With --seconds, every run trains for that many seconds instead (--iterations is then a cap), and the
+methods are compared at equal wall-clock only, at half, three quarters and all of the budget.
 With matplotlib installed, also writes the learning curves to OUT/curves.png.
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
+import time
 
 import ppo
 import train
@@ -26,14 +30,33 @@ import train
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(out: str, *args):
-    """Run train.py to completion, unless `out` holds a finished run (its `finished` file). A run that
-    fails has said why in its own line: compare.py stops with its exit status."""
-    if not os.path.exists(os.path.join(out, "finished")):  # leftovers of an unfinished run are replaced
-        done = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--out", out, "--overwrite", *args])
-        if done.returncode:
-            sys.exit(done.returncode)
-        open(os.path.join(out, "finished"), "w").close()
+def run(out: str, *args, seconds: float = 0.0):
+    """Run train.py to completion, unless `out` holds a finished run (its `finished` file); with `seconds`,
+    stop it (SIGTERM) once its logged training seconds reach them (--eval-every 1: that row is evaluated)."""
+    if os.path.exists(os.path.join(out, "finished")):
+        return
+    # leftovers of an unfinished run are replaced
+    child = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", out, "--overwrite", *args])
+    while child.poll() is None:
+        if seconds and training_seconds(out) >= seconds:
+            child.terminate()  # train.py exits 143 on SIGTERM, its metrics so far logged
+            child.wait()
+            break
+        time.sleep(2)
+    else:
+        if child.returncode:  # the run has said why in its own line: stop with its exit status
+            sys.exit(child.returncode)
+    open(os.path.join(out, "finished"), "w").close()
+
+
+def training_seconds(out: str) -> float:
+    """The training seconds (evaluation excluded) of a run's complete metrics.jsonl rows so far."""
+    try:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            lines = f.read().split("\n")[:-1]  # a last line without its newline is still being written
+    except FileNotFoundError:
+        return 0.0
+    return sum(json.loads(line).get("seconds", 0.0) for line in lines if line)
 
 
 def curve(out: str, metric: str = "eval_accuracy") -> list[tuple[int, float, float]]:
@@ -60,12 +83,16 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), se
 
 
-def summarize(curves: dict) -> dict:
-    """curves[algo] = one curve per seed -> per algo: start, final, seconds, accuracy at equal time."""
-    budget = min(statistics.mean(c[-1][1] for c in runs) for runs in curves.values())
+def summarize(curves: dict, budget: float = 0.0) -> dict:
+    """curves[algo] = one curve per seed -> per algo: start, final, seconds, accuracy at equal time (at
+    `budget` seconds; 0: when the fastest method finished) and its lag: the most that budget is ahead of
+    the evaluation it takes, as a fraction of the budget."""
+    budget = budget or min(statistics.mean(c[-1][1] for c in runs) for runs in curves.values())
+    lag = lambda c: (budget - [t for _, t, _ in c if t <= budget + 1e-9][-1]) / budget if budget else 0.0
     return {algo: {"start": mean_se([c[0][2] for c in runs]), "final": mean_se([c[-1][2] for c in runs]),
                    "seconds": statistics.mean(c[-1][1] for c in runs), "budget": budget,
-                   "at_budget": mean_se([accuracy_at(c, budget) for c in runs])}
+                   "iterations": statistics.mean(c[-1][0] for c in runs),
+                   "at_budget": mean_se([accuracy_at(c, budget) for c in runs]), "lag": max(map(lag, runs))}
             for algo, runs in curves.items()}
 
 
@@ -81,20 +108,21 @@ def verdict(m_se: tuple[float, float]) -> str:
     return "counts" if m > 2 * se else "counts against" if m < -2 * se else "within noise"
 
 
-def report(results: dict, metric: str):
+def report(results: dict, metric: str, equal_time_only: bool = False):
     cell = lambda m_se: f"{m_se[0]:.3f} ± {m_se[1]:.3f}"
     for chains, summary in results.items():
         print(f"\n{metric}, chains of {chains} steps (mean ± s.e. over seeds)")
-        print(f"{'method':8} {'start':>12} {'final':>12} {'seconds':>8} {'at equal time':>16}")
+        print(f"{'method':8} {'start':>12} {'final':>12} {'seconds':>8} {'iterations':>10} {'at equal time':>16}")
         for algo, s in summary.items():
             print(f"{algo:8} {cell(s['start']):>12} {cell(s['final']):>12} {s['seconds']:>8.0f} "
-                  f"{cell(s['at_budget']):>16}  (at {s['budget']:.0f} s)")
+                  f"{s['iterations']:>10.1f} "
+                  f"{cell(s['at_budget']):>16}  (at {s['budget']:.0f} s, evaluated up to {s['lag']:.0%} before)")
     first, last = list(results)[0], list(results)[-1]
     methods = list(results[first])
     vine = [m for m in methods if m.startswith("vineppo")]  # VinePPO and its variant (--variant)
     pairs = [(m, o) for i, m in enumerate(vine) for o in methods if o != m and o not in vine[:i]]
     for mine, other in pairs:
-        for key, words in (("final", "at equal iterations"), ("at_budget", "at equal wall-clock")):
+        for key, words in (("final", "at equal iterations"), ("at_budget", "at equal wall-clock"))[equal_time_only:]:
             leads = {chains: lead(summary, mine, other, key) for chains, summary in results.items()}
             growth = (leads[last][0] - leads[first][0], (leads[last][1] ** 2 + leads[first][1] ** 2) ** 0.5)
             print(f"{metric}: {mine}'s lead over {other} {words}: "
@@ -102,26 +130,37 @@ def report(results: dict, metric: str):
                   + (f"; growth {cell(growth)} ({verdict(growth)})" if first != last else ""))
 
 
+def on_grid(runs: list, points: int = 60) -> tuple[list, list, list, list]:
+    """Seconds 0 .. the shortest run's last evaluation in `points` steps, and at each the accuracy of every
+    seed's last evaluation by then: (seconds, mean, least, most) over the seeds."""
+    end = min(c[-1][1] for c in runs)
+    grid = [end * i / (points - 1) for i in range(points)]
+    accs = [[accuracy_at(c, t) for c in runs] for t in grid]
+    return grid, [statistics.mean(a) for a in accs], [min(a) for a in accs], [max(a) for a in accs]
+
+
 def plot(curves: dict, path: str):
-    """Held-out accuracy (at T = 0.35 and greedy) against iteration and against training seconds: a row
-    per chain length, a line per method (the mean over seeds) with the seeds' range shaded."""
+    """Held-out accuracy (at T = 0.35 and greedy) against iteration and against training seconds (each
+    seed's last evaluation by then): a row per chain length, a line per method (the mean over seeds)
+    with the seeds' range shaded."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     chain_lengths = list(next(iter(curves.values())))
     fig, axes = plt.subplots(len(chain_lengths), 4, figsize=(16, 3.2 * len(chain_lengths)), squeeze=False)
     for row, chains in zip(axes, chain_lengths):
-        for pair, (metric, by_chains) in zip((row[:2], row[2:]), curves.items()):
+        for (by_iteration, by_seconds), (metric, by_chains) in zip((row[:2], row[2:]), curves.items()):
             for algo, runs in by_chains[chains].items():
                 accs = list(zip(*[[acc for _, _, acc in c] for c in runs]))  # per evaluation, one per seed
-                mean = [statistics.mean(a) for a in accs]
-                for ax, x in zip(pair, ([it for it, _, _ in runs[0]],
-                                        [statistics.mean(c[i][1] for c in runs) for i in range(len(accs))])):
-                    line, = ax.plot(x, mean, marker="o", markersize=3, label=algo)
-                    ax.fill_between(x, [min(a) for a in accs], [max(a) for a in accs], alpha=0.2,
-                                    color=line.get_color())
-            pair[0].set(xlabel="iteration", ylabel=f"{METRICS[metric]}\nchains of {chains} steps")
-            pair[1].set(xlabel="training seconds")
+                line, = by_iteration.plot([it for it, _, _ in runs[0]][:len(accs)],
+                                          [statistics.mean(a) for a in accs], marker="o", markersize=3, label=algo)
+                by_iteration.fill_between([it for it, _, _ in runs[0]][:len(accs)], [min(a) for a in accs],
+                                          [max(a) for a in accs], alpha=0.2, color=line.get_color())
+                grid, mean, least, most = on_grid(runs)
+                by_seconds.plot(grid, mean, color=line.get_color(), label=algo)
+                by_seconds.fill_between(grid, least, most, alpha=0.2, color=line.get_color())
+            by_iteration.set(xlabel="iteration", ylabel=f"{METRICS[metric]}\nchains of {chains} steps")
+            by_seconds.set(xlabel="training seconds")
         row[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -142,10 +181,13 @@ def parse_args(argv=None):
     p.add_argument("--traps", default="0-2", help="--arith-traps of every run ('': the plain task)")
     p.add_argument("--slip", type=float, default=0.7, help="--arith-slip of the SFT demonstrations")
     p.add_argument("--algos", default="vineppo,grpo,ppo")
-    p.add_argument("--variant", default="", help="NAME=FLAGS: one more method, vineppo with these train.py "
-                   "flags (they override the shared settings), e.g. 'vineppo-reuse=--mc-reuse --mc-top-up'")
+    p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS, repeatable: one more method, "
+                   "the algorithm NAME begins with (NAME-...) with these train.py flags (they override the shared "
+                   "settings), e.g. 'vineppo-reuse=--mc-reuse --mc-top-up' or 'grpo-16=--samples-per-prompt 16'")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
-    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--iterations", type=int, default=12, help="iterations per run (with --seconds: at most)")
+    p.add_argument("--seconds", type=float, default=0, help="training seconds per run (evaluation excluded): "
+                   "each stops at the first iteration that reaches them; compared at them (0: iterations)")
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--eval-problems", type=int, default=200, help="held-out problems per evaluation")
     p.add_argument("--jobs", type=int, default=2, help="chain lengths run side by side, one torch thread each")
@@ -163,6 +205,8 @@ def parse_args(argv=None):
         p.error(f"--traps {args.traps!r}: expected {train.TRAPS[1]}")
     if not 0 <= args.slip <= 1:
         p.error(f"--slip {args.slip}: expected between 0 and 1")
+    if not (math.isfinite(args.seconds) and args.seconds >= 0):
+        p.error(f"--seconds {args.seconds}: expected a number of seconds >= 0")
     for name in ("iterations", "eval_every", "eval_problems", "jobs"):
         if getattr(args, name) < (1 if name == "jobs" else 0):
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= {1 if name == 'jobs' else 0}")
@@ -170,12 +214,12 @@ def parse_args(argv=None):
     if not all(algo in ppo.ALGOS for algo in algos) or len(set(algos)) < len(algos):
         p.error(f"--algos {args.algos!r}: expected distinct names of {', '.join(ppo.ALGOS)}, comma-separated")
     methods = {algo: ["--algo", algo] for algo in algos}  # name -> its train.py flags
-    if args.variant:
-        name, _, flags = args.variant.partition("=")
-        if not name.startswith("vineppo") or not flags.strip() or name in methods:
-            p.error(f"--variant {args.variant!r}: expected NAME=FLAGS, NAME starting with vineppo (not one of "
-                    "--algos), FLAGS train.py's")
-        methods[name] = ["--algo", "vineppo", *flags.split()]
+    for variant in args.variant:
+        name, _, flags = variant.partition("=")
+        if name.split("-")[0] not in ppo.ALGOS or not flags.strip() or name in methods:
+            p.error(f"--variant {variant!r}: expected NAME=FLAGS with NAME beginning with one of "
+                    + ", ".join(ppo.ALGOS) + " (not one of --algos), FLAGS train.py's")
+        methods[name] = ["--algo", name.split("-")[0], *flags.split()]
     return args, [int(s) for s in args.seeds.split(",")], chain_lengths, methods
 
 
@@ -204,12 +248,14 @@ def main():
             for name, flags in methods.items():
                 out = os.path.join(base, f"{name}-seed{seed}")
                 run(out, "--model", os.path.join(base, "sft", "checkpoint"), "--seed", str(seed),
-                    *as_flags(settings), *flags)  # a method's own flags last: they override the shared ones
+                    *as_flags(settings), *flags, seconds=args.seconds)  # a method's own flags override
                 runs[name].append(out)
         for metric in METRICS:
             curves[metric][chains] = {algo: [curve(out, metric) for out in outs] for algo, outs in runs.items()}
-    for metric, by_chains in curves.items():
-        report({chains: summarize(by_algo) for chains, by_algo in by_chains.items()}, METRICS[metric])
+    for budget in [args.seconds * f for f in (0.5, 0.75, 1)] if args.seconds else [0]:  # --seconds: 3 points
+        for metric, by_chains in curves.items():
+            report({chains: summarize(by_algo, budget) for chains, by_algo in by_chains.items()},
+                   METRICS[metric], equal_time_only=budget > 0)
     try:
         plot(curves, os.path.join(args.out, "curves.png"))
         print(f"\nlearning curves: {os.path.join(args.out, 'curves.png')}")

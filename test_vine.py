@@ -349,6 +349,76 @@ def test_forked_logprobs_equal_full_forward(model):
     assert forked.get_seq_length() == max(ends) + 2
 
 
+def cut_cost(batches, lengths, budgets, rows, overhead):
+    """(padding + overhead per batch, batches) of a batching, computed from its definition."""
+    padding = sum(rows[j] * (max(lengths[i] for i in b) + max(budgets[i] for i in b) - lengths[j] - budgets[j])
+                  for b in batches for j in b)
+    return padding + overhead * len(batches), len(batches)
+
+
+def test_least_padding_hand_example():
+    # 2 x 2 <= 20 and 2 x 10 <= 20, one batch of all would be 4 x 10 = 40 > 20: padding 1 + 1
+    assert rollout.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 20, overhead=2) == [[1, 3], [0, 2]]
+    assert rollout.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 20) == [[1], [3], [0], [2]]  # no padding
+    # a batch costs 3: cutting [1, 2] from [9, 10] saves 16 of padding, cutting [1] from [2] only 1
+    assert rollout.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 100, overhead=3) == [[1, 3], [0, 2]]
+    assert rollout.least_padding([1, 2], [0, 0], [1, 1], 100, overhead=3) == [[0, 1]]
+    assert rollout.least_padding([50, 1], [0, 0], [1, 1], 10) == [[1], [0]]  # over the budget: alone
+    assert rollout.padding_fraction([[0, 1]], [1, 3], [2, 0], [1, 1]) == pytest.approx(1 - 6 / 10)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 4), st.integers(1, 3)), min_size=1, max_size=7),
+       st.integers(5, 60), st.sampled_from([0, 4, 30]))
+def test_least_padding_is_the_best_of_every_cut(items, max_tokens, overhead):
+    """Against every set of cut points of the items sorted by length (then budget): the least cost (fewest
+    batches on a tie); every item exactly once; no batch over the budget but a lone item."""
+    lengths, budgets, rows = map(list, zip(*items))
+    batches = rollout.least_padding(lengths, budgets, rows, max_tokens, overhead)
+    assert sorted(j for b in batches for j in b) == list(range(len(items)))
+    tokens = lambda b: sum(rows[j] for j in b) * (max(lengths[j] for j in b) + max(budgets[j] for j in b))
+    assert all(tokens(b) <= max_tokens or len(b) == 1 for b in batches)
+    order = sorted(range(len(items)), key=lambda j: (lengths[j], budgets[j]))
+    best = None
+    for cuts in itertools.product([False, True], repeat=len(items) - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [len(items)]
+        cand = [order[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+        if all(tokens(b) <= max_tokens or len(b) == 1 for b in cand):
+            cost = cut_cost(cand, lengths, budgets, rows, overhead)
+            best = cost if best is None else min(best, cost)
+    assert cut_cost(batches, lengths, budgets, rows, overhead) == best
+
+
+def test_group_chunks_keep_prompts_whole_within_the_budget():
+    lengths = {0: [5, 9], 1: [30, 31, 30], 2: [6], 3: [28, 2]}  # group -> its episodes' prompt + response
+    episodes = [rollout.Episode([1] * 2, [3] * (n - 2), "", g, True) for g, ns in lengths.items() for n in ns]
+    index = lambda chunks: [[next(i for i, e in enumerate(episodes) if e is ep) for ep in c] for c in chunks]
+    # sorted by longest: groups 2, 0, 3, 1 (rows 1, 2, 2, 3); 1 x 3 of padding for a batch fewer, groups
+    # 0 and 3 would be 4 x 28 > 100
+    assert index(rollout.group_chunks(episodes, 100, overhead=20)) == [[0, 1, 5], [2, 3, 4], [6, 7]]
+    assert index(rollout.group_chunks(episodes, 100, overhead=2)) == [[0, 1], [2, 3, 4], [5], [6, 7]]
+    # all fit (8 x 31): padding 25 + 2 x 22 + 2 x 3 = 75 against 3 and 2 x 3 in two batches
+    assert index(rollout.group_chunks(episodes, 1000, overhead=20)) == [[0, 1, 5], [2, 3, 4, 6, 7]]
+    assert index(rollout.group_chunks(episodes, 1000, overhead=100)) == [list(range(8))]
+
+
+def test_greedy_continuations_whatever_the_batching(model, monkeypatch):
+    """At T = 0 the fork's continuations do not depend on how the states are cut into batches."""
+    seqs = random_seqs([30, 17, 25])
+    ids, mask = rollout.pad_right(seqs, 0)
+    _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
+    prefixes = [seqs[0][:12], seqs[0][:30], seqs[1][:5], seqs[2][:25], seqs[1][:17], seqs[2][:6]]
+    rows, budgets = [0, 0, 1, 2, 1, 2], [12, 4, 12, 8, 10, 12]
+    outs = []
+    for max_tokens, overhead in ((1, 0), (120, 10 ** 6), (300, 10 ** 6), (10 ** 6, 10 ** 6)):
+        monkeypatch.setattr(rollout, "batch_overhead", lambda _: overhead)  # a batch per state ... one of all
+        greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0,
+                                  max_batch_tokens=max_tokens)
+        cuts = rollout.least_padding(list(map(len, prefixes)), budgets, [2] * 6, max_tokens, overhead)
+        outs.append((len(cuts), rollout.sample(model, prefixes, 2, budgets, greedy, cache=cache, rows=rows)))
+    assert [n for n, _ in outs] == [6, 4, 2, 1] and all(out == outs[0][1] for _, out in outs)
+
+
 def test_token_logprobs_temperature_and_alignment(model):
     ids = torch.tensor([[1, 5, 7, 9]])
     logp, _ = rollout.token_logprobs(model, ids, torch.ones_like(ids), 0.5)
@@ -738,6 +808,52 @@ def test_diagnostic_metrics_hand_examples():
     assert s["mae_early"] == pytest.approx(0.06) and s["mae_middle"] == pytest.approx(0.2) and s["mae_late"] == pytest.approx(0.1)
     # deltas within trajectory 0: gt (+0.2, +0.3), est (-0.02, +0.4): two points, correlation 1
     assert diagnose.delta_correlation(rows, "est") == pytest.approx(1.0)
+
+
+def test_compare_seconds_budget(tmp_path, monkeypatch):
+    """compare.py --seconds: a run is stopped once its complete metrics rows hold that many training
+    seconds; the arms are compared at them, each by its last evaluation by then, with its lag."""
+    import compare
+
+    class Child:  # a train.py that logs an iteration of 4 s at every poll, never ending by itself
+        def __init__(self, cmd):
+            self.args, self.returncode, self.rows = cmd, None, 0
+
+        def poll(self):
+            with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+                self.rows += 1
+                f.write(json.dumps({"iteration": self.rows, "seconds": 4.0, "eval_accuracy": 0.1}) + "\n")
+            return self.returncode
+
+        def terminate(self):
+            self.returncode = 143
+
+        def wait(self):
+            return self.returncode
+
+    os.makedirs(tmp_path / "run")
+    monkeypatch.setattr(compare.subprocess, "Popen", Child)
+    monkeypatch.setattr(compare.time, "sleep", lambda _: None)
+    compare.run(str(tmp_path / "run"), seconds=10)
+    assert compare.training_seconds(str(tmp_path / "run")) == 12.0  # 4, 8, 12: stopped at the first >= 10
+    assert os.path.exists(tmp_path / "run" / "finished")
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 4, "seco')  # a row still being written is not counted
+    assert compare.training_seconds(str(tmp_path / "run")) == 12.0
+    failing = type("Failing", (Child,), {"poll": lambda self: setattr(self, "returncode", 3) or 3})  # exit 3
+    monkeypatch.setattr(compare.subprocess, "Popen", failing)
+    with pytest.raises(SystemExit) as stop:
+        compare.run(str(tmp_path / "other"), seconds=10)
+    assert stop.value.code == 3 and not os.path.exists(tmp_path / "other" / "finished")
+    a = [[(0, 0.0, 0.2), (1, 9.0, 0.4), (2, 18.0, 0.6), (3, 27.0, 0.7)], [(0, 0.0, 0.2), (1, 11.0, 0.5)]]
+    b = [[(0, 0.0, 0.2), (1, 4.0, 0.3), (2, 8.0, 0.35), (3, 12.0, 0.4)]]
+    summary = compare.summarize({"a": a, "b": b}, budget=10.0)
+    assert summary["a"]["at_budget"] == pytest.approx((0.3, 0.1)) and summary["a"]["lag"] == pytest.approx(1.0)
+    assert summary["b"]["at_budget"] == (0.35, 0.0) and summary["b"]["lag"] == pytest.approx(0.2)
+    assert summary["a"]["iterations"] == 2 and summary["b"]["iterations"] == 3  # the mean of the last
+    grid, mean, least, most = compare.on_grid(a, points=3)  # the shorter seed ends at 11 s
+    assert grid == [0.0, 5.5, 11.0] and mean == pytest.approx([0.2, 0.2, 0.45])
+    assert least == [0.2, 0.2, 0.4] and most == [0.2, 0.2, 0.5]
 
 
 def test_arith_held_out_questions_are_never_training_questions():
