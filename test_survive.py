@@ -634,7 +634,8 @@ def test_diagnose_paths_and_counts_are_checked(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--variant", "foo"], "--variant 'foo': expected NAME=FLAGS, NAME starting with vineppo"),
+    (["--variant", "foo"], "--variant 'foo': expected NAME=FLAGS with NAME beginning with one of vineppo, ppo"),
+    (["--seconds", "-1"], "--seconds -1.0: expected a number of seconds >= 0"),
     (["--variant", "vineppo=--mc-reuse", "--algos", "vineppo"], "--variant 'vineppo=--mc-reuse': expected"),
     (["--seeds", "a"], "--seeds 'a': expected comma-separated integers >= 0"),
     (["--chains", "6"], "--chains '6': expected comma-separated MIN-MAX, 1 <= MIN <= MAX"),
