@@ -48,6 +48,7 @@ import torch
 
 import ppo
 import rollout
+import settings
 import train
 import value
 import vine
@@ -178,7 +179,7 @@ def parse_args(argv=None):
     p.add_argument("--mc-settings", action="store_true", help="compare MC settings' cost and accuracy (above)")
     p.add_argument("--mc-k", type=count(1), default=4, help="--mc-settings: K of fixed K (the demo's 4)")
     p.add_argument("--repeats", type=count(1), default=2, help="--mc-settings: estimates per setting")
-    p.add_argument("--temperature", type=real(lambda v: 1e-3 <= v <= train.FLOAT32_MAX, ">= 0.001"), default=0.6)
+    p.add_argument("--temperature", type=real(lambda v: 1e-3 <= v <= settings.FLOAT32_MAX, ">= 0.001"), default=0.6)
     p.add_argument("--top-p", type=real(lambda v: 0 < v <= 1, "in (0, 1]"), default=0.9)
     p.add_argument("--max-new-tokens", type=count(1), default=64)
     p.add_argument("--seed", type=count(0), default=0)

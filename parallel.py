@@ -1,6 +1,9 @@
 """Several processes under torchrun (DDP, or FSDP2 with --fsdp); in one process, identities and plain calls.
-Needs no sibling. All engineering: a first reading may skip this file (and every line that mentions it)."""
+Also an iteration's metrics row, merged over the processes and logged by the first. Needs no sibling.
+All engineering: a first reading may skip this file (and every line that mentions it)."""
+import json
 import os
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -10,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 
 def init(device: torch.device):
@@ -118,3 +122,51 @@ def load_optimizer_state(model, optim, saved: dict):
         set_optimizer_state_dict(model, optim, saved, options=options)
     else:
         optim.load_state_dict(saved)
+
+
+# ---- an iteration's metrics row: merged over the processes, logged by the first ----------------------
+
+TRAINING = ("time_rollout", "time_logprobs", "time_mc_values", "time_critic_values", "time_advantages",
+            "time_reference", "time_update")  # their sum: `seconds`, what compare.py's equal wall-clock counts
+PHASES = (*TRAINING, "time_eval", "time_save")  # time_save: the previous iteration's log and checkpoint
+
+
+class Stopwatch(dict):
+    """Seconds per phase: lap(phase) adds the time since the last lap (or the start) to it."""
+
+    def __init__(self, previous=None):
+        super().__init__(dict.fromkeys(PHASES, 0.0))
+        self.began = self.last = time.time()
+        if previous is not None:  # the previous iteration's time after its last lap: its log and checkpoint
+            self["time_save"] = self.began - previous.last
+
+    def lap(self, phase: str):
+        now = time.time()
+        self[phase] += now - self.last
+        self.last = now
+
+
+def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy, watch) -> dict:
+    """One metrics row: counts summed over processes, means averaged, times of the slowest process."""
+    n_tokens = sum(len(ep.response_ids) for ep in episodes)
+    counts = {k: stats.pop(k) for k in ("skipped_batches", "nonfinite_skips")}
+    counts.update(prompts=len({ep.group for ep in episodes}), episodes=len(episodes),
+                  mc_states=mc_counts["mc_states"], mc_continuations=mc_counts["mc_continuations"],
+                  mc_tokens=mc_counts["mc_tokens"], tokens_generated=n_tokens + mc_counts["mc_tokens"])
+    means = {"train_reward": sum(ep.reward for ep in episodes) / len(episodes), **stats,
+             "response_tokens": n_tokens / len(episodes), "lr": policy.scheduler.get_last_lr()[0],
+             **diagnostics}
+    times = {**watch, "seconds": sum(watch[phase] for phase in TRAINING)}
+    return merge_metrics(gather((counts, means, times)))
+
+
+def log(out: str, row: dict):
+    """The first process appends the row to metrics.jsonl and prints it."""
+    if rank() == 0:
+        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        shown = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()]
+        tqdm.write(" ".join(shown))
+        if row.get("nonfinite_skips"):
+            tqdm.write(f"warning: iteration {row['iteration']}: {row['nonfinite_skips']} non-finite "
+                       "losses skipped")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import checkpoint
+import parallel
 import ppo
 import rollout
 import train
@@ -1006,13 +1007,13 @@ def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1, 2]
     for key in ("train_reward", "eval_accuracy", "eval_greedy_accuracy", "kl", "policy_loss", "clipfrac",
-                "approx_kl", "tokens_generated", "seconds", *train.PHASES):
+                "approx_kl", "tokens_generated", "seconds", *parallel.PHASES):
         assert key in rows[-1]
     assert rows[1]["mc_states"] > 0 and (tmp_path / "samples.jsonl").exists()
     assert all(row["mc_continuations"] == 2 * row["mc_states"] for row in rows[1:])  # K = 2 per state
     # time_save: the previous iteration's checkpoint (none before the first); seconds: training, evaluation aside
     assert rows[1]["time_save"] == 0.0 and rows[2]["time_save"] > 0 and rows[2]["time_eval"] > 0
-    assert rows[2]["seconds"] == pytest.approx(sum(rows[2][phase] for phase in train.TRAINING))
+    assert rows[2]["seconds"] == pytest.approx(sum(rows[2][phase] for phase in parallel.TRAINING))
     # the settings that differ from the defaults, the demo's included, printed first; all in config.json
     printed = r.stdout.split("settings (")[1].splitlines()[0]
     assert "--sft-steps 3 " in printed and "--lr 0.0001 " in printed and "--algo" not in printed
@@ -1114,7 +1115,7 @@ def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint")
 
 
-TIMING = ("seconds", *train.PHASES)
+TIMING = ("seconds", *parallel.PHASES)
 
 
 def numbers(out):

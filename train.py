@@ -1,26 +1,29 @@
 """VinePPO fine-tuning of a causal LM on a verifiable reasoning task. The only entry point.
 
-    python train.py                                        # offline demo: tiny model, arithmetic chains
-    python train.py --model rho-math-1.1b --data gsm8k     # the paper's setting (GPU, hub access)
-    python train.py --model rho-math-1.1b --data math      # the paper's MATH row (its own SFT checkpoint)
+    python train.py                                     # offline demo: tiny model, arithmetic chains
+    python train.py --model rho-math-1.1b --data gsm8k  # the paper's setting (GPU, hub access)
+    python train.py --model rho-math-1.1b --data math   # the paper's MATH row (its own SFT checkpoint)
     torchrun --nproc_per_node 8 train.py --model rho-math-1.1b --data gsm8k   # 8 GPUs, DDP
 
-One iteration (VinePPO, Algorithm 1), a call per phase in main's loop: draw prompts -> sample and grade
-responses (rollout.py, reward.py) -> step boundaries (vine.py) -> old log-probs and the KV cache of their
-forward pass (rollout.py) -> the MC values, forked from that cache (vine.py), or a critic's values
-(value.py) -> advantages -> reference log-probs -> epochs of clipped PPO (ppo.py) -> log, evaluate, save.
+One iteration (VinePPO, Algorithm 1), a call per phase in main's loop: draw prompts -> sample and
+grade responses (rollout.py, reward.py) -> step boundaries (vine.py) -> old log-probs and the KV
+cache of their forward pass (rollout.py) -> the MC values, forked from that cache (vine.py), or a
+critic's values (value.py) -> advantages -> reference log-probs -> epochs of clipped PPO (ppo.py)
+-> log, evaluate, save.
 
-Needs: rollout, reward, vine, ppo, value (the algorithm); start (everything before the first iteration),
-checkpoint, parallel (torchrun). Algorithm: Config and its presets, main, evaluate; the engineering
-sections (a setting's rule, the command line, metrics, exits) may be skipped on a first reading.
+Needs: rollout, reward, vine, ppo, value (the algorithm); start (everything before the first
+iteration), settings (how a setting is shown and checked), checkpoint, parallel (torchrun, and the
+metrics row). Algorithm: Config and its presets, main, evaluate; the engineering sections (the
+command line, exits) may be skipped on a first reading.
 """
 import signal
 import sys
 
 
 def stop_starting(signum, frame):
-    """Ctrl-C or SIGTERM before the run has begun (the imports take seconds): one line, nothing written."""
-    print(f"stopped by {signal.Signals(signum).name} while starting; nothing was written", file=sys.stderr)
+    """Ctrl-C or SIGTERM before the run has begun (the imports take seconds): one line."""
+    name = signal.Signals(signum).name
+    print(f"stopped by {name} while starting; nothing was written", file=sys.stderr)
     sys.exit(128 + signum)
 
 
@@ -34,48 +37,36 @@ import dataclasses
 import json
 import os
 import re
-import time
 
 import torch
-from tqdm import tqdm
 
 import checkpoint
 import parallel
 import ppo
 import reward
 import rollout
+import settings
 import start
 import value
 import vine
 from reward import DataError
+from settings import above, arg, at_least, between, one_of, ordered
 
 
-# ---- engineering: how a setting is declared and checked (skip on a first reading) ----------------------
-
-def arg(default, help, valid=None):
-    """A setting: its default, its help, and its rule (a test and the words for what it expects)."""
-    return dataclasses.field(default=default, metadata={"help": help, "valid": valid})
-
-
-at_least = lambda low: (lambda v: v >= low, f">= {low}")
-above = lambda low: (lambda v: v > low, f"> {low}")
-between = lambda low, high: (lambda v: low <= v <= high, f"between {low} and {high}")
-one_of = lambda *names: (lambda v: v in names, "one of " + ", ".join(filter(None, names)))  # "": the default
+# ---- the settings: python train.py --help lists them (settings.py: how a rule is checked) ------
+# A rule: (a test, the words for what it expects); at_least(0) and the like are rules too.
 DEVICE = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "'auto', 'cpu', 'cuda' or 'cuda:N'")
-FLOAT32_MAX = 3.4028234663852886e38
-ordered = lambda v, low: re.fullmatch(r"\d+-\d+", v) and low <= int(v.split("-")[0]) <= int(v.split("-")[1])
 STEPS = (lambda v: ordered(v, 1), "MIN-MAX, 1 <= MIN <= MAX")
 TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
-# AdamW moves every weight by about lr a step (its update is lr times a ratio of moments near +-1): above 1 a
-# step outweighs any weight of a language model, and near float32's limit the first step overflows
+# AdamW moves every weight by about lr a step (its update is lr times a ratio of moments near +-1):
+# above 1 a step outweighs any weight of a language model, and near float32's limit it overflows
 LR = (lambda v: 0 <= v <= 1, ">= 0 and at most 1 (AdamW moves each weight by about lr a step)")
 
 
-# ---- the settings: python train.py --help lists them -----------------------------------------------------
-
 @dataclasses.dataclass
 class Config:
-    """Defaults follow the reference's rho-1.1B GSM8K run; DEMO below overrides a few for --model tiny."""
+    """Defaults follow the reference's rho-1.1B GSM8K run; DEMO below overrides a few for
+    --model tiny."""
     model: str = arg("tiny", "'tiny' (built offline), 'rho-math-1.1b', or any HF model id / local path")
     data: str = arg("arith", "'arith' (built-in), 'gsm8k', 'math' (hub), or a .jsonl of question/answer "
                              "(GSM8K) or problem/solution (MATH)")
@@ -147,57 +138,45 @@ class Config:
 
 
 # The offline demo (--model tiny), in one place: a 0.9M-parameter model, SFT from scratch on
-# demonstrations with careless off-by-one slips, then VinePPO removes the slips. Sized for a 2-core CPU.
+# demonstrations with careless off-by-one slips, then VinePPO removes the slips. Sized for a
+# 2-core CPU.
 DEMO = dict(iterations=20, prompts_per_iter=32, samples_per_prompt=8, mc_rollouts=4, minibatch=64,
             micro_batch=64, lr=1e-4, warmup=0.0, kl_coef=1e-3, max_new_tokens=64, eval_every=5,
             eval_problems=400, eval_samples=2, save_every=10, sft_steps=1500,
             sft_batch=16, sft_lr=1e-3, arith_slip=0.25, max_batch_tokens=32768, critic_lr=1e-4)
 
 
-# The reference's MATH run where it differs from GSM8K's, for --data math or a .jsonl of MATH problems.
+# Where the reference's MATH run differs from GSM8K's: for --data math or MATH problems in a .jsonl
 MATH = dict(iterations=1000, max_value_states=0)
 PRESETS = ((DEMO, "in the demo (--model tiny)"), (MATH, "with MATH data"))
 
 
 def main(cfg: Config):
-    rank, world, device, autocast = start.start_process(cfg)  # torchrun: one process per GPU; else 0 of 1
+    # under torchrun one process per GPU (its rank of world); else 0 of 1
+    rank, world, device, autocast = start.start_process(cfg)
     tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
-    sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                                eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), stop=reward.STOP,
-                                tokenizer=tok, max_batch_tokens=cfg.max_batch_tokens)
+    sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
+                                max_new_tokens=cfg.max_new_tokens, eos_id=tok.eos_token_id,
+                                pad_id=rollout.pad_id(tok), stop=reward.STOP, tokenizer=tok,
+                                max_batch_tokens=cfg.max_batch_tokens)
     if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
-        log(cfg.out, {"iteration": 0, **evaluate(policy.model, eval_set, cfg, sampling, autocast, 0)})
+        scores = evaluate(policy.model, eval_set, cfg, sampling, autocast, 0)
+        parallel.log(cfg.out, {"iteration": 0, **scores})
         if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
             checkpoint.save_training_state(cfg, 0, tok, policy, critic)
 
     watch = None  # the last iteration's: the next one's time_save counts from its last lap
     for it in range((done or 0) + 1, cfg.iterations + 1):
-        watch = Stopwatch(watch)  # the seconds of each phase: the time_* metrics
-        # 1-3. prompts (the reference shuffles with seed + iteration), responses and rewards, step boundaries
+        watch = parallel.Stopwatch(watch)  # the seconds of each phase: the time_* metrics
+        # 1-3. prompts (the reference shuffles by seed + iteration), responses, rewards, steps
         problems = reward.draw_problems(train_set, cfg.prompts_per_iter, cfg.seed + it, rank, world)
         with autocast, parallel.whole(policy.model):  # FSDP: full weights while processes sample apart
             episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, sampling)
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
-        # 4-5. old log-probs, a pass per batch; VinePPO forks its KV cache: K continuations per step boundary
-        mc_counts = collections.Counter()
-        with autocast, parallel.whole(policy.model):
-            for batch in rollout.group_chunks(episodes, cfg.forward_batch_tokens):
-                cache = rollout.old_logprobs(policy.model, batch, cfg.temperature, sampling.pad_id,
-                                             keep_cache=cfg.algo == "vineppo")
-                watch.lap("time_logprobs")
-                if cfg.algo == "vineppo":
-                    mc_counts += vine.mc_values(policy.model, batch, cache, cfg.mc_rollouts, sampling,
-                                                cfg.max_value_states, max_k=cfg.mc_max_rollouts,
-                                                increment=cfg.mc_increment, ci_width=cfg.mc_ci_width,
-                                                reuse=cfg.mc_reuse, top_up=cfg.mc_top_up)
-                    watch.lap("time_mc_values")
-                del cache  # before the next batch's forward pass allocates its own
-        if critic is not None:  # 5. PPO, TPPO: the critic's V(s_t) before each token
-            with autocast, parallel.whole(critic.model):
-                value.critic_values(critic.model, episodes, sampling.pad_id, cfg.forward_batch_tokens)
-            watch.lap("time_critic_values")
-        # 6. advantages: VinePPO's from the MC values, GAE's from the critic's, or GRPO's group-normalised
+        # 4-5. old log-probs, and the values: VinePPO's MC estimates or a critic's
+        mc_counts = logprobs_and_values(cfg, episodes, policy, critic, sampling, autocast, watch)
+        # 6. advantages: VinePPO's from the MC values, GAE's from the critic's, or GRPO's per group
         diagnostics = ppo.assign_advantages(cfg.algo, episodes, cfg.gamma, cfg.lam, cfg.lam_critic)
         watch.lap("time_advantages")
         # 7. reference log-probs, once per iteration
@@ -205,57 +184,93 @@ def main(cfg: Config):
             rollout.reference_logprobs(ref, episodes, cfg.temperature, sampling.pad_id,
                                        cfg.forward_batch_tokens)
         watch.lap("time_reference")
-        # 8. epochs of clipped PPO on shuffled minibatches (during --critic-warmup only the critic learns);
-        #    GRPO's advantages are already normalised per group: whitening again would re-centre them
-        stats = ppo.ppo_update(episodes, policy, critic, epochs=cfg.epochs, minibatch=cfg.minibatch // world,
-                               micro_batch=cfg.micro_batch, temperature=cfg.temperature, clip=cfg.clip,
-                               kl_coef=cfg.kl_coef, value_clip=cfg.value_clip,
-                               move_policy=it > cfg.critic_warmup, whiten=cfg.algo != "grpo",
-                               pad_id=sampling.pad_id, device=device, autocast=autocast)
+        # 8. epochs of clipped PPO on shuffled minibatches (during --critic-warmup only the critic
+        #    learns); GRPO's advantages are already normalised per group: whitening again would
+        #    re-centre them
+        stats = ppo.ppo_update(episodes, policy, critic, epochs=cfg.epochs,
+                               minibatch=cfg.minibatch // world, micro_batch=cfg.micro_batch,
+                               temperature=cfg.temperature, clip=cfg.clip, kl_coef=cfg.kl_coef,
+                               value_clip=cfg.value_clip, move_policy=it > cfg.critic_warmup,
+                               whiten=cfg.algo != "grpo", pad_id=sampling.pad_id, device=device,
+                               autocast=autocast)
         watch.lap("time_update")
         # 9. evaluate, log, checkpoint: every N iterations (N = 0: never) and at the last one
-        due = lambda every: it == cfg.iterations or (every > 0 and it % every == 0)
-        scores = evaluate(policy.model, eval_set, cfg, sampling, autocast, it) if due(cfg.eval_every) else {}
+        scores = {}
+        if due(it, cfg.eval_every, cfg.iterations):
+            scores = evaluate(policy.model, eval_set, cfg, sampling, autocast, it)
         watch.lap("time_eval")
-        row = {"iteration": it, **iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, watch)}
-        log(cfg.out, {**row, **scores})
-        if due(cfg.save_every):
+        row = parallel.iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, watch)
+        parallel.log(cfg.out, {"iteration": it, **row, **scores})
+        if due(it, cfg.save_every, cfg.iterations):
             checkpoint.save_training_state(cfg, it, tok, policy, critic)
     return policy.model
 
 
+def logprobs_and_values(cfg: Config, episodes, policy, critic, sampling, autocast, watch) -> dict:
+    """Phases 4-5: the old log-probs, a forward pass per batch, then the values. VinePPO forks that
+    pass's KV cache: K continuations per step boundary (vine.py); PPO and TPPO ask the critic for
+    V(s_t) before each token (value.py). Returns VinePPO's counts of MC states, continuations and
+    tokens (empty for the others)."""
+    mc_counts = collections.Counter()
+    with autocast, parallel.whole(policy.model):
+        for batch in rollout.group_chunks(episodes, cfg.forward_batch_tokens):
+            cache = rollout.old_logprobs(policy.model, batch, cfg.temperature, sampling.pad_id,
+                                         keep_cache=cfg.algo == "vineppo")
+            watch.lap("time_logprobs")
+            if cfg.algo == "vineppo":
+                mc_counts += vine.mc_values(policy.model, batch, cache, cfg.mc_rollouts, sampling,
+                                            cfg.max_value_states, max_k=cfg.mc_max_rollouts,
+                                            increment=cfg.mc_increment, ci_width=cfg.mc_ci_width,
+                                            reuse=cfg.mc_reuse, top_up=cfg.mc_top_up)
+                watch.lap("time_mc_values")
+            del cache  # before the next batch's forward pass allocates its own
+    if critic is not None:
+        with autocast, parallel.whole(critic.model):
+            value.critic_values(critic.model, episodes, sampling.pad_id, cfg.forward_batch_tokens)
+        watch.lap("time_critic_values")
+    return mc_counts
+
+
+def due(it: int, every: int, last: int) -> bool:
+    """Every N iterations (N = 0: never) and at the last one."""
+    return it == last or (every > 0 and it % every == 0)
+
+
 def evaluate(policy, problems: list[dict], cfg: Config, sampling, autocast, iteration: int) -> dict:
-    """Held-out accuracy: the mean reward of --eval-samples samples per problem at --eval-temperature (the
-    paper's 0.35), and of one greedy answer per problem; three samples go to samples.jsonl."""
+    """Held-out accuracy: the mean reward of --eval-samples samples per problem at
+    --eval-temperature (the paper's 0.35), and of one greedy answer per problem; three samples go to
+    samples.jsonl."""
     mine = problems[parallel.rank()::parallel.world_size()]
     with autocast, parallel.whole(policy):
-        episodes = rollout.sample_episodes(policy, mine, cfg.eval_samples,
-                                           dataclasses.replace(sampling, temperature=cfg.eval_temperature))
+        at_temperature = dataclasses.replace(sampling, temperature=cfg.eval_temperature)
+        episodes = rollout.sample_episodes(policy, mine, cfg.eval_samples, at_temperature)
         greedy = rollout.sample_episodes(policy, mine, 1, dataclasses.replace(sampling, temperature=0.0))
     if parallel.rank() == 0:
+        tok = sampling.tokenizer
         with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
-            text = lambda ids: sampling.tokenizer.decode(ids, skip_special_tokens=True)
-            for ep in episodes[: 3 * cfg.eval_samples: cfg.eval_samples]:
-                row = dict(iteration=iteration, prompt=text(ep.prompt_ids), response=text(ep.response_ids))
-                f.write(json.dumps({**row, "gold": ep.gold, "reward": ep.reward}) + "\n")
-    totals = torch.tensor([sum(ep.reward for ep in eps) for eps in (episodes, greedy)] + [len(mine)],
-                          dtype=torch.float64)
-    sampled, greedy_correct, count = parallel.all_reduce_sum(totals.to(next(policy.parameters()).device))
+            for ep in episodes[: 3 * cfg.eval_samples: cfg.eval_samples]:  # of the first 3 problems
+                prompt = tok.decode(ep.prompt_ids, skip_special_tokens=True)
+                response = tok.decode(ep.response_ids, skip_special_tokens=True)
+                row = dict(iteration=iteration, prompt=prompt, response=response, gold=ep.gold,
+                           reward=ep.reward)
+                f.write(json.dumps(row) + "\n")
+    totals = [sum(ep.reward for ep in episodes), sum(ep.reward for ep in greedy), len(mine)]
+    totals = torch.tensor(totals, dtype=torch.float64, device=next(policy.parameters()).device)
+    sampled, greedy_correct, count = parallel.all_reduce_sum(totals)
     return {"eval_accuracy": (sampled / (count * cfg.eval_samples)).item(),
             "eval_greedy_accuracy": (greedy_correct / count).item()}
 
 
-# ---- engineering: the command line, metrics, logging, exits (skip on a first reading) ------------------
+# ---- engineering: the command line, exits (skip on a first reading) ---------------------------
 
 def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)  # one line, no usage
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = settings.refuse  # one line, no usage
     for f in dataclasses.fields(Config):
         kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
-        by_preset = [f"{preset[f.name]} {when}" for preset, when in PRESETS if f.name in preset]
-        default = ", ".join(by_preset + [f"else {f.default}"]) if by_preset else f.default
-        shown = f" (default: {default})" if default != "" else ""  # "" defaults are explained in the help
-        p.add_argument("--" + f.name.replace("_", "-"), default=None, help=f.metadata["help"] + shown, **kind)
+        shown = settings.help_text(f, PRESETS)  # the help and the default
+        p.add_argument("--" + f.name.replace("_", "-"), default=None, help=shown, **kind)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     math_data = reward.is_math_data(given.get("data", Config.data))
     tiny = given.get("model", Config.model) == "tiny"
@@ -263,105 +278,39 @@ def parse_args(argv=None) -> Config:
     if math_data:  # the reference's SFT checkpoint for MATH
         cfg.model = checkpoint.MATH_ALIASES.get(cfg.model, cfg.model)
     for f in dataclasses.fields(Config):  # every setting against its rule, once, before any work
-        v, (test, expected) = getattr(cfg, f.name), f.metadata["valid"] or (lambda v: True, "")
-        # what the tensors that take it can hold: a float32 (finite) or an int64
-        holds = abs(v) <= FLOAT32_MAX if isinstance(v, float) else not isinstance(v, int) or abs(v) < 2**63
-        kind = "a finite float32" if isinstance(v, float) else "an int64"
-        if not holds or not test(v):
-            p.error(f"--{f.name.replace('_', '-')} {v!r}: expected {expected if holds else kind}")
+        settings.check(f, getattr(cfg, f.name), p.error)
     if cfg.resume and cfg.overwrite:
-        p.error("--resume and --overwrite: pick one (--resume continues the run, --overwrite replaces it)")
-    if not cfg.arith_traps and int(cfg.arith_steps.split("-")[1]) > 8:  # totals 0-9 without wrapping
+        p.error("--resume and --overwrite: pick one (--resume continues the run, --overwrite "
+                "replaces it)")
+    if not cfg.arith_traps and int(cfg.arith_steps.split("-")[1]) > 8:  # totals 0-9 unwrapped
         p.error(f"--arith-steps {cfg.arith_steps}: at most 8 steps without --arith-traps")
     if 0 < cfg.mc_max_rollouts < cfg.mc_rollouts:
-        p.error(f"--mc-max-rollouts {cfg.mc_max_rollouts}: below --mc-rollouts {cfg.mc_rollouts} (round 1)")
+        p.error(f"--mc-max-rollouts {cfg.mc_max_rollouts}: below --mc-rollouts {cfg.mc_rollouts} "
+                "(round 1)")
     if cfg.mc_top_up and (not cfg.mc_reuse or cfg.mc_max_rollouts):
-        p.error("--mc-top-up counts the responses as continuations: it needs --mc-reuse, not --mc-max-rollouts")
+        p.error("--mc-top-up counts the responses as continuations: it needs --mc-reuse, not "
+                "--mc-max-rollouts")
     if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
         p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
     if cfg.critic_warmup and cfg.algo not in ("ppo", "tppo"):
-        p.error(f"--critic-warmup {cfg.critic_warmup}: only ppo and tppo have a critic to warm up; under "
-                f"{cfg.algo} the policy would stand still for {cfg.critic_warmup} iterations")
+        p.error(f"--critic-warmup {cfg.critic_warmup}: only ppo and tppo have a critic to warm up; "
+                f"under {cfg.algo} the policy would stand still for {cfg.critic_warmup} iterations")
     if cfg.algo == "grpo" and cfg.samples_per_prompt == 1:
-        p.error("--samples-per-prompt 1: GRPO's advantage is a reward less its group's mean, always 0 in a "
-                "group of one; give at least 2")
+        p.error("--samples-per-prompt 1: GRPO's advantage is a reward less its group's mean, "
+                "always 0 in a group of one; give at least 2")
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
-    ignored = {}  # setting -> why, for those the command line gave (not a preset's)
-    for names, ignores, why in IGNORED:
-        for name in names:
-            if name in given and name not in ignored and ignores(cfg):
-                ignored[name] = why.format(**vars(cfg))
-    for name, why in ignored.items() if os.environ.get("RANK", "0") == "0" else ():  # torchrun: one says it
-        print(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)}: ignored ({why})", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # torchrun: one process says it
+        settings.warn_ignored(cfg, given)
     return cfg
 
 
-# The settings a run reads only sometimes: (settings, when they are ignored, why); given, said once
-IGNORED = (
-    (("critic_lr", "lam_critic", "value_clip", "gamma", "lam"), lambda c: c.algo not in ("ppo", "tppo"),
-     "only ppo and tppo have a critic and GAE, not {algo}"),
-    (("value_clip", "lam_critic"), lambda c: c.value_head != "scalar",
-     "the {value_head} head learns the outcome itself: no GAE targets, no value clipping"),
-    (("mc_rollouts", "max_value_states", "mc_max_rollouts", "mc_increment", "mc_ci_width", "mc_reuse",
-      "mc_top_up"), lambda c: c.algo != "vineppo", "only vineppo has MC values, not {algo}"),
-    (("mc_increment", "mc_ci_width"), lambda c: not c.mc_max_rollouts,
-     "adaptive MC values are off: --mc-max-rollouts 0"),
-    (("arith_steps", "arith_slip", "arith_traps"), lambda c: c.data != "arith",
-     "the built-in task's, not --data {data}'s"),
-)
-
-
-TRAINING = ("time_rollout", "time_logprobs", "time_mc_values", "time_critic_values", "time_advantages",
-            "time_reference", "time_update")  # their sum: `seconds`, what compare.py's equal wall-clock counts
-PHASES = (*TRAINING, "time_eval", "time_save")  # time_save: the previous iteration's log and checkpoint
-
-
-class Stopwatch(dict):
-    """Seconds per phase: lap(phase) adds the time since the last lap (or the start) to it."""
-
-    def __init__(self, previous=None):
-        super().__init__(dict.fromkeys(PHASES, 0.0))
-        self.began = self.last = time.time()
-        if previous is not None:  # the previous iteration's time after its last lap: its log and checkpoint
-            self["time_save"] = self.began - previous.last
-
-    def lap(self, phase: str):
-        now = time.time()
-        self[phase] += now - self.last
-        self.last = now
-
-
-def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy, watch) -> dict:
-    """One metrics row: counts summed over processes, means averaged, times of the slowest process."""
-    n_tokens = sum(len(ep.response_ids) for ep in episodes)
-    counts = {k: stats.pop(k) for k in ("skipped_batches", "nonfinite_skips")}
-    counts.update(prompts=len({ep.group for ep in episodes}), episodes=len(episodes),
-                  mc_states=mc_counts["mc_states"], mc_continuations=mc_counts["mc_continuations"],
-                  mc_tokens=mc_counts["mc_tokens"], tokens_generated=n_tokens + mc_counts["mc_tokens"])
-    means = {"train_reward": sum(ep.reward for ep in episodes) / len(episodes), **stats,
-             "response_tokens": n_tokens / len(episodes), "lr": policy.scheduler.get_last_lr()[0],
-             **diagnostics}
-    times = {**watch, "seconds": sum(watch[phase] for phase in TRAINING)}
-    return parallel.merge_metrics(parallel.gather((counts, means, times)))
-
-
-def log(out: str, row: dict):
-    if parallel.rank() == 0:
-        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
-        tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-        if row.get("nonfinite_skips"):
-            tqdm.write(f"warning: iteration {row['iteration']}: {row['nonfinite_skips']} non-finite losses "
-                       "skipped")
-
-
 def stop(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)  # SIGTERM unwinds as Ctrl-C does, to the line below
+    raise KeyboardInterrupt(signal.Signals(signum).name)  # SIGTERM unwinds as Ctrl-C, to below
 
 
 if __name__ == "__main__":
     cfg = parse_args()
-    for signum in (signal.SIGINT, signal.SIGTERM):  # from here on a stop says where the run can continue
+    for signum in (signal.SIGINT, signal.SIGTERM):  # from here a stop says where the run can go on
         signal.signal(signum, stop)
     try:
         main(cfg)
@@ -372,7 +321,7 @@ if __name__ == "__main__":
     except OSError as e:  # a write that failed: a full disk, no permission
         print(f"error: {e}; {checkpoint.resume_hint(cfg.out)}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt as e:  # Ctrl-C (SIGINT) or SIGTERM: exit status 128 + the signal's number
+    except KeyboardInterrupt as e:  # Ctrl-C (SIGINT) or SIGTERM: exit status 128 + the signal's
         name = str(e) or "SIGINT"
         if parallel.rank() == 0:
             print(f"stopped by {name}; {checkpoint.resume_hint(cfg.out)}", file=sys.stderr)

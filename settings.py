@@ -1,0 +1,99 @@
+"""How train.py's settings are declared, shown and checked. A setting is a Config field made by
+arg() with a rule: (a test, the words for what it expects); --help shows the words, parse_args runs
+the test. Also the settings a run ignores, and the one-line refusal. Needs no sibling. All
+engineering: a first reading may skip this file."""
+import dataclasses
+import re
+import sys
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def arg(default, help, valid=None):
+    """A setting: its default, its help, and its rule."""
+    return dataclasses.field(default=default, metadata={"help": help, "valid": valid})
+
+
+def at_least(low):
+    return (lambda v: v >= low), f">= {low}"
+
+
+def above(low):
+    return (lambda v: v > low), f"> {low}"
+
+
+def between(low, high):
+    return (lambda v: low <= v <= high), f"between {low} and {high}"
+
+
+def one_of(*names):  # a name "" is the default, which the help explains
+    return (lambda v: v in names), "one of " + ", ".join(name for name in names if name)
+
+
+def ordered(v: str, low: int) -> bool:
+    """v is MIN-MAX with low <= MIN <= MAX."""
+    if not re.fullmatch(r"\d+-\d+", v):
+        return False
+    least, most = map(int, v.split("-"))
+    return low <= least <= most
+
+
+def refuse(message: str):
+    """A bad command line: one line, exit status 2 (argparse's own error adds its usage)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def help_text(f: dataclasses.Field, presets) -> str:
+    """A setting's help and its default, each preset's first."""
+    by_preset = [f"{preset[f.name]} {when}" for preset, when in presets if f.name in preset]
+    default = ", ".join(by_preset + [f"else {f.default}"]) if by_preset else f.default
+    if default == "":  # "" defaults are explained in the help
+        return f.metadata["help"]
+    return f.metadata["help"] + f" (default: {default})"
+
+
+def check(f: dataclasses.Field, v, error):
+    """A setting's value against what the tensors that take it can hold (a finite float32 or an
+    int64), then against its rule."""
+    flag = "--" + f.name.replace("_", "-")
+    if isinstance(v, float) and not abs(v) <= FLOAT32_MAX:  # NaN fails too
+        error(f"{flag} {v!r}: expected a finite float32")
+    if isinstance(v, int) and not abs(v) < 2**63:
+        error(f"{flag} {v!r}: expected an int64")
+    test, expected = f.metadata["valid"] or (lambda v: True, "")
+    if not test(v):
+        error(f"{flag} {v!r}: expected {expected}")
+
+
+def ignored(cfg) -> dict:
+    """The settings this run does not read, each with why (the first reason that applies)."""
+    why = {}
+
+    def because(reason: str, *names: str):
+        for name in names:
+            why.setdefault(name, reason)
+
+    if cfg.algo not in ("ppo", "tppo"):
+        because(f"only ppo and tppo have a critic and GAE, not {cfg.algo}",
+                "critic_lr", "lam_critic", "value_clip", "gamma", "lam")
+    if cfg.value_head != "scalar":
+        because(f"the {cfg.value_head} head learns the outcome itself: no GAE targets, no value "
+                "clipping", "value_clip", "lam_critic")
+    if cfg.algo != "vineppo":
+        because(f"only vineppo has MC values, not {cfg.algo}", "mc_rollouts", "max_value_states",
+                "mc_max_rollouts", "mc_increment", "mc_ci_width", "mc_reuse", "mc_top_up")
+    if not cfg.mc_max_rollouts:
+        because("adaptive MC values are off: --mc-max-rollouts 0", "mc_increment", "mc_ci_width")
+    if cfg.data != "arith":
+        because(f"the built-in task's, not --data {cfg.data}'s", "arith_steps", "arith_slip",
+                "arith_traps")
+    return why
+
+
+def warn_ignored(cfg, given: dict):
+    """A warning for each setting the command line gave (not a preset) that this run ignores."""
+    for name, why in ignored(cfg).items():
+        if name in given:
+            print(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)}: ignored ({why})",
+                  file=sys.stderr)
