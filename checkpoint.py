@@ -18,7 +18,7 @@ ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's 
 MATH_ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-MATH"}  # and its MATH one (--data math)
 # what a resumed run cannot change: its models, data and what the reference was made from
 RESUME_MUST_MATCH = ("model", "data", "algo", "value_head", "fsdp", "seed", "arith_steps", "arith_slip",
-                     "arith_traps", "sft_steps", "sft_lr", "sft_batch")
+                     "arith_traps", "sft_steps", "sft_lr", "sft_batch", "prompt_template", "chat", "system", "answer")
 RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
 # what else a run writes in --out (or a kill leaves there): --overwrite removes these too
 LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "metrics.jsonl.tmp",
@@ -31,7 +31,8 @@ def record_settings(cfg):
     if parallel.rank() != 0:
         return
     settings, defaults = dataclasses.asdict(cfg), {f.name: f.default for f in dataclasses.fields(cfg)}
-    flag = lambda k, v: f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+    quoted = lambda v: repr(v) if isinstance(v, str) and any(c.isspace() for c in v) else v  # a template
+    flag = lambda k, v: f"--{k.replace('_', '-')}" + ("" if v is True else f" {quoted(v)}")
     changed = [flag(k, v) for k, v in settings.items() if v != defaults[k] and v is not False]
     path = os.path.join(cfg.out, "config.json")
     tqdm.write(f"settings ({path} has all): {' '.join(changed) or 'the defaults'}")
@@ -79,12 +80,15 @@ def build_tiny_model(path: str, seed: int):
 
 def load_model(name: str, device, trust_remote_code: bool = False, resuming: bool = False):
     """(tokenizer, model) from a hub id or a directory; resuming: a directory of the run in --out."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    if name.endswith(".gguf"):
+        return load_gguf(name, device)
     try:
         if (resuming or name.startswith((".", "/"))) and not os.path.isdir(name):  # a path, not a hub id
             raise FileNotFoundError("no such directory")
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
+        config = without_dropout(AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code))
+        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code)
         model.to(device)
     except Exception as e:  # hub, network and format errors all end here: one line, not a traceback
@@ -96,6 +100,42 @@ def load_model(name: str, device, trust_remote_code: bool = False, resuming: boo
                         "--model at a local directory written by save_pretrained (model and tokenizer); also "
                         f"accepted: 'tiny', {', '.join(sorted(ALIASES))} or a reachable hub id") from None
     return tok, model
+
+
+def without_dropout(config):
+    """The config with every dropout probability 0 (GPT-2's attn_pdrop, Llama's attention_dropout, ...), its
+    sub-configs' too: old and new log-probs, the reference's and the critic's come from one network."""
+    for key, v in vars(config).items():
+        if hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a sub-config (a multimodal model's text part)
+            without_dropout(v)
+        elif isinstance(v, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    return config
+
+
+def load_gguf(path: str, device):
+    """(tokenizer, model) of a .gguf file, de-quantised to fp32 by transformers' GGUF reader (it needs the
+    gguf package); built from its config, so accelerate is not needed."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    if not os.path.isfile(path):
+        raise DataError(f"--model {path!r}: no such file")
+    folder, file = os.path.split(os.path.abspath(path))
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        config = without_dropout(AutoConfig.from_pretrained(folder, gguf_file=file))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+        missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()},
+                                                    strict=False)
+        model.tie_weights()
+        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"weights missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}")
+    except Exception as e:  # no gguf package, an architecture transformers cannot read from GGUF, a bad file
+        raise DataError(f"--model {path!r}: cannot load it as GGUF ({first_line(e)}); it needs the gguf "
+                        "package (pip install gguf)") from None
+    return tok, model.to(device)
 
 
 def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None, name: str = "checkpoint",
@@ -134,10 +174,11 @@ def load_critic(checkpoint: str, device):
     path = os.path.join(checkpoint, "critic")
     if not os.path.isdir(path):
         return None
-    from transformers import AutoModel
+    from transformers import AutoConfig, AutoModel
     try:
         head = torch.load(os.path.join(path, "value_head.pt"), map_location="cpu", weights_only=True)
-        critic = value.Critic(AutoModel.from_pretrained(path), head["head"])
+        backbone = AutoModel.from_pretrained(path, config=without_dropout(AutoConfig.from_pretrained(path)))
+        critic = value.Critic(backbone, head["head"])
         critic.head.load_state_dict(head["state"])
     except Exception as e:  # a PPO run's checkpoint without its critic cannot continue
         raise start_again(f"{path} cannot be loaded ({first_line(e)})") from None
@@ -169,10 +210,11 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
         raise DataError(f"--resume: {path}/trainer_state.pt cannot be read ({first_line(e)})") from None
     check_shape(state, f"{path}/trainer_state.pt")
     settings = recorded_settings(cfg.out)  # the authority on what the run was started with
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}  # a setting newer than the run: its default
     for key in RESUME_MUST_MATCH:
-        if settings.get(key) != getattr(cfg, key):
+        if settings.get(key, defaults[key]) != getattr(cfg, key):
             raise DataError(f"--resume: {cfg.out} was written with --{key.replace('_', '-')} "
-                            f"{settings.get(key)!r}, not {getattr(cfg, key)!r}")
+                            f"{settings.get(key, defaults[key])!r}, not {getattr(cfg, key)!r}")
     if state["iteration"] >= cfg.iterations and parallel.rank() == 0:
         tqdm.write(f"--resume: the checkpoint is at iteration {state['iteration']}, --iterations "
                    f"{cfg.iterations}: nothing to train")

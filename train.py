@@ -54,6 +54,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 ordered = lambda v, low: re.fullmatch(r"\d+-\d+", v) and low <= int(v.split("-")[0]) <= int(v.split("-")[1])
 STEPS = (lambda v: ordered(v, 1), "MIN-MAX, 1 <= MIN <= MAX")
 TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
+TEMPLATE = (lambda v: v == "" or "{question}" in v, "a template holding {question}, e.g. 'Q: {question}\\nA:'")
 
 
 # ---- the settings: python train.py --help lists them -----------------------------------------------------
@@ -65,6 +66,12 @@ class Config:
     data: str = arg("arith", "'arith' (built-in), 'gsm8k', 'math' (hub), or a .jsonl of question/answer "
                              "(GSM8K) or problem/solution (MATH)")
     eval_data: str = arg("", "held-out problems; default: the test split of --data (for .jsonl: the same file)")
+    prompt_template: str = arg("", "the prompt: a format string holding {question}, or @FILE holding one "
+                                   "(default: the data's own; with --chat the question alone)", TEMPLATE)
+    chat: bool = arg(False, "the prompt as a user turn of the tokenizer's chat template (an instruct model)")
+    system: str = arg("", "with --chat: a system turn before it")
+    answer: str = arg("hash", "GSM8K-format data, arith: the answer graded and written by SFT: hash (a last "
+                              "'#### N') | boxed (the last \\boxed{N}, up to equivalence)", one_of("hash", "boxed"))
     out: str = arg("out", "output directory: metrics.jsonl, samples.jsonl, checkpoint/")
     algo: str = arg("vineppo", "vineppo | ppo (critic) | tppo (tracking critic) | grpo", one_of(*ppo.ALGOS))
     seed: int = arg(0, "random seed", (lambda v: 0 <= v < 2**63, "0 <= SEED < 2**63 (torch's seeds)"))
@@ -144,9 +151,10 @@ PRESETS = ((DEMO, "in the demo (--model tiny)"), (MATH, "with MATH data"))
 def main(cfg: Config):
     rank, world, device, autocast = start.start_process(cfg)  # torchrun: one process per GPU; else 0 of 1
     tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
+    stops = start.stop_ids(tok, policy.model, cfg.chat)  # every id that ends a response, SFT's first
     sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                                eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), stop=reward.STOP,
-                                tokenizer=tok, max_batch_tokens=cfg.max_batch_tokens)
+                                eos_id=stops[0], pad_id=rollout.pad_id(tok), stop=reward.STOP, tokenizer=tok,
+                                max_batch_tokens=cfg.max_batch_tokens, eos_ids=stops)
     if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
         log(cfg.out, {"iteration": 0, **evaluate(policy.model, eval_set, cfg, sampling, autocast, 0)})
         if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
@@ -158,6 +166,7 @@ def main(cfg: Config):
         problems = reward.draw_problems(train_set, cfg.prompts_per_iter, cfg.seed + it, rank, world)
         with autocast, parallel.whole(policy.model):  # FSDP: full weights while processes sample apart
             episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, sampling)
+        start.warn_if_unread(episodes, tok, f"iteration {it}")
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
         # 4-5. old log-probs, a pass per batch; VinePPO forks its KV cache: K continuations per step boundary
@@ -213,6 +222,7 @@ def evaluate(policy, problems: list[dict], cfg: Config, sampling, autocast, iter
         episodes = rollout.sample_episodes(policy, mine, cfg.eval_samples,
                                            dataclasses.replace(sampling, temperature=cfg.eval_temperature))
         greedy = rollout.sample_episodes(policy, mine, 1, dataclasses.replace(sampling, temperature=0.0))
+    start.warn_if_unread(episodes + greedy, sampling.tokenizer, f"evaluation at iteration {iteration}")
     if parallel.rank() == 0:
         with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
             text = lambda ids: sampling.tokenizer.decode(ids, skip_special_tokens=True)
@@ -238,6 +248,7 @@ def parse_args(argv=None) -> Config:
         shown = f" (default: {default})" if default != "" else ""  # "" defaults are explained in the help
         p.add_argument("--" + f.name.replace("_", "-"), default=None, help=f.metadata["help"] + shown, **kind)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    start.read_template_file(given, p.error)
     math_data = reward.is_math_data(given.get("data", Config.data))
     tiny = given.get("model", Config.model) == "tiny"
     cfg = Config(**{**(MATH if math_data else {}), **(DEMO if tiny else {}), **given})
@@ -258,6 +269,8 @@ def parse_args(argv=None) -> Config:
         p.error(f"--mc-max-rollouts {cfg.mc_max_rollouts}: below --mc-rollouts {cfg.mc_rollouts} (round 1)")
     if cfg.mc_top_up and (not cfg.mc_reuse or cfg.mc_max_rollouts):
         p.error("--mc-top-up counts the responses as continuations: it needs --mc-reuse, not --mc-max-rollouts")
+    if cfg.system and not cfg.chat:
+        p.error("--system: a system turn needs --chat (the tokenizer's chat template)")
     if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
         p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
