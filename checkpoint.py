@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import random
+import shlex
 import shutil
 
 import torch
@@ -31,7 +32,7 @@ def record_settings(cfg):
     if parallel.rank() != 0:
         return
     settings, defaults = dataclasses.asdict(cfg), {f.name: f.default for f in dataclasses.fields(cfg)}
-    quoted = lambda v: repr(v) if isinstance(v, str) and any(c.isspace() for c in v) else v  # a template
+    quoted = lambda v: (repr(v) if "\n" in v else shlex.quote(v)) if isinstance(v, str) else v  # a template
     flag = lambda k, v: f"--{k.replace('_', '-')}" + ("" if v is True else f" {quoted(v)}")
     changed = [flag(k, v) for k, v in settings.items() if v != defaults[k] and v is not False]
     path = os.path.join(cfg.out, "config.json")
