@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import re
+import shlex
 import shutil
 
 import torch
@@ -19,10 +20,11 @@ from reward import DataError, first_line
 
 ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's SFT checkpoint
 MATH_ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-MATH"}  # and its MATH one (--data math)
-# what a resumed run cannot change: its models, what it trains on and is evaluated on (the contents of
-# .jsonl files too: data_files), what the reference was made from
+# what a resumed run cannot change: its models, its prompts, what it trains on and is evaluated on (the
+# contents of .jsonl files too: data_files), what the reference was made from
 RESUME_MUST_MATCH = ("model", "data", "eval_data", "eval_problems", "max_prompt_tokens", "algo", "value_head",
-                     "fsdp", "seed", "arith_steps", "arith_slip", "arith_traps", "sft_steps", "sft_lr", "sft_batch")
+                     "fsdp", "seed", "arith_steps", "arith_slip", "arith_traps", "sft_steps", "sft_lr", "sft_batch",
+                     "prompt_template", "chat", "system", "answer")
 RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
 # what else a run writes in --out (or a kill leaves there): --overwrite removes these too
 LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "metrics.jsonl.tmp",
@@ -35,7 +37,8 @@ def record_settings(cfg):
     if parallel.rank() != 0:
         return
     settings, defaults = dataclasses.asdict(cfg), {f.name: f.default for f in dataclasses.fields(cfg)}
-    flag = lambda k, v: f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+    quoted = lambda v: (repr(v) if "\n" in v else shlex.quote(v)) if isinstance(v, str) else v  # a template
+    flag = lambda k, v: f"--{k.replace('_', '-')}" + ("" if v is True else f" {quoted(v)}")
     changed = [flag(k, v) for k, v in settings.items() if v != defaults[k] and v is not False]
     path = os.path.join(cfg.out, "config.json")
     tqdm.write(f"settings ({path} has all): {' '.join(changed) or 'the defaults'}")
@@ -95,7 +98,9 @@ def build_tiny_model(path: str, seed: int):
 def load_model(name: str, device, trust_remote_code=False, resuming: bool = False, flag: str = "--model"):
     """(tokenizer, model) from a hub id or a directory; resuming: a directory of the run in --out; flag: the
     setting that named it, for the messages."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    if name.endswith(".gguf"):
+        return load_gguf(name, device)
     # a hub id is 'name' or 'owner/name'; anything else (./x, /x, a/b/c) can only be a local directory
     hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) and not name.startswith(".")
     try:
@@ -105,7 +110,8 @@ def load_model(name: str, device, trust_remote_code=False, resuming: bool = Fals
             raise FileNotFoundError("a directory without config.json: expected one written by save_pretrained "
                                     "(model and tokenizer)")
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
+        config = without_dropout(AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code))
+        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code)
         model.to(device)
     except Exception as e:  # hub, network and format errors all end here: one line, not a traceback
@@ -118,6 +124,42 @@ def load_model(name: str, device, trust_remote_code=False, resuming: bool = Fals
                         f"{flag} at a local directory written by save_pretrained (model and tokenizer); also "
                         f"accepted: 'tiny', {', '.join(sorted(ALIASES))} or a reachable hub id") from None
     return tok, model
+
+
+def without_dropout(config):
+    """The config with every dropout probability 0 (GPT-2's attn_pdrop, Llama's attention_dropout, ...), its
+    sub-configs' too: old and new log-probs, the reference's and the critic's come from one network."""
+    for key, v in vars(config).items():
+        if hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a sub-config (a multimodal model's text part)
+            without_dropout(v)
+        elif isinstance(v, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    return config
+
+
+def load_gguf(path: str, device):
+    """(tokenizer, model) of a .gguf file, de-quantised to fp32 by transformers' GGUF reader (it needs the
+    gguf package); built from its config, so accelerate is not needed."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    if not os.path.isfile(path):
+        raise DataError(f"--model {path!r}: no such file")
+    folder, file = os.path.split(os.path.abspath(path))
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        config = without_dropout(AutoConfig.from_pretrained(folder, gguf_file=file))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+        missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()},
+                                                    strict=False)
+        model.tie_weights()
+        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"weights missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}")
+    except Exception as e:  # no gguf package, an architecture transformers cannot read from GGUF, a bad file
+        raise DataError(f"--model {path!r}: cannot load it as GGUF ({first_line(e)}); it needs the gguf "
+                        "package (pip install gguf)") from None
+    return tok, model.to(device)
 
 
 def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None, name: str = "checkpoint",
@@ -156,10 +198,11 @@ def load_critic(checkpoint: str, device):
     path = os.path.join(checkpoint, "critic")
     if not os.path.isdir(path):
         return None
-    from transformers import AutoModel
+    from transformers import AutoConfig, AutoModel
     try:
         head = load_plain(os.path.join(path, "value_head.pt"))
-        critic = value.Critic(AutoModel.from_pretrained(path), head["head"])
+        backbone = AutoModel.from_pretrained(path, config=without_dropout(AutoConfig.from_pretrained(path)))
+        critic = value.Critic(backbone, head["head"])
         critic.head.load_state_dict(head["state"])
     except Exception as e:  # a PPO run's checkpoint without its critic cannot continue
         raise start_again(f"{path} cannot be loaded ({first_line(e)})") from None
@@ -191,10 +234,11 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
         raise DataError(f"--resume: {path}/trainer_state.pt cannot be read ({first_line(e)})") from None
     check_shape(state, f"{path}/trainer_state.pt")
     settings = recorded_settings(cfg.out)  # the authority on what the run was started with
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}  # a setting newer than the run: its default
     for key in RESUME_MUST_MATCH:
-        if settings.get(key) != getattr(cfg, key):
+        if settings.get(key, defaults[key]) != getattr(cfg, key):
             raise DataError(f"--resume: {cfg.out} was written with --{key.replace('_', '-')} "
-                            f"{settings.get(key)!r}, not {getattr(cfg, key)!r}")
+                            f"{settings.get(key, defaults[key])!r}, not {getattr(cfg, key)!r}")
     recorded = settings.get("data_files")  # None: written before the files were recorded, unchecked
     for key, digest in data_files(cfg).items():
         if isinstance(recorded, dict) and recorded.get(key) != digest:

@@ -29,30 +29,47 @@ def extract_answer(text: str) -> str | None:
     return text.split("####")[-1].strip() if "####" in text else None
 
 
-def gsm8k_reward(completion: str, gold_answer: str) -> float:
-    """1.0 iff the answers match as strings bar commas and case ('72.0', '$72' score 0, as in the reference)."""
+def final_answer(text: str, style: str = "hash") -> str | None:
+    """The answer a response gives in `style` (--answer): after the last '####' (hash) or inside the last
+    \\boxed{} (boxed); None when it gives none."""
+    if style == "boxed":
+        found = boxed_answers(text)
+        return found[-1] if found else None
+    return extract_answer(text)
+
+
+def gsm8k_reward(completion: str, gold_answer: str, style: str = "hash") -> float:
+    """hash: 1.0 iff the answers match as strings bar commas and case ('72.0', '$72' score 0, as in the
+    reference); boxed: iff the last \\boxed{} equals the gold number by math_grader ('72.0', '\\$72' score 1)."""
     gold = extract_answer(gold_answer)
     gold = gold_answer.strip() if gold is None else gold
-    pred = extract_answer(completion)
+    pred = final_answer(completion, style)
     if pred is None:
         return 0.0
+    if style == "boxed":
+        return float(math_grader.math_equal(math_grader.normalize(pred), math_grader.normalize(gold)))
     # The reference (tasks/gsm8k.py, GSM8K.grade_answer) removes commas from the prediction only, so a
     # gold answer written '#### 2,125' (14 of GSM8K's 1319 test problems) could never score: removed on
     # both sides here.
     return float(pred.replace(",", "").lower() == gold.replace(",", "").lower())
 
 
-def grade(response: str, gold: str, question: str = "", math: bool = False) -> float:
+def grade(response: str, gold: str, question: str = "", math: bool = False, style: str = "hash") -> float:
     """R, the task's reward of a response's text: 1.0 for a right final answer by MATH's rules (math) or by
-    GSM8K's (arith too), else 0.0. `question` matters only to MATH's lists ('separated by commas')."""
-    return math_reward(response, gold, question) if math else gsm8k_reward(response, gold)
+    GSM8K's (arith too) in `style`, else 0.0. `question` matters only to MATH's lists ('separated by commas')."""
+    return math_reward(response, gold, question) if math else gsm8k_reward(response, gold, style)
 
 
 # ---- engineering: SFT targets, the built-in task, data loading with clear errors (skip on a first reading)
 
-def sft_target(answer: str) -> str:
-    """The SFT response of the reference: '\\n' + answer without <<calculator>> notes + '\\n'."""
-    return "\n" + re.sub(r"<<[^>]*>>", "", answer) + "\n"
+def sft_target(answer: str, style: str = "hash", chat: bool = False) -> str:
+    """The SFT response of the reference: '\\n' + answer without <<calculator>> notes + '\\n'; its final
+    '#### N' written 'The answer is \\boxed{N}.' in the boxed style; a chat turn without the newlines."""
+    text = re.sub(r"<<[^>]*>>", "", answer)
+    if style == "boxed" and "####" in text:
+        head, _, number = text.rpartition("####")
+        text = head + f"The answer is \\boxed{{{number.strip()}}}."
+    return text.strip("\n") if chat else "\n" + text + "\n"
 
 
 def arith_problem(rng: random.Random, min_steps: int, max_steps: int, slip: float = 0.0) -> dict:
@@ -246,18 +263,34 @@ def encode_prompt(tok, prompt: str) -> list[int]:
     return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
 
 
-def sft_example(tok, prompt: str, answer: str) -> tuple[list[int], int]:
-    """(prompt + response + EOS ids, prompt length: SFT's loss is on the response, as the reference's
-    MLEDataCollator in trainers/mle_trainer.py masks the query), the response tokenized after the
-    prompt (alone, SentencePiece would start it with a '▁'), or alone where the two merge (BPE)."""
-    prompt_ids, target = encode_prompt(tok, prompt), sft_target(answer)
-    prompt_text_ids = prompt_ids[1:] if tok.bos_token_id is not None else prompt_ids
+def sft_example(tok, prompt: str, answer: str, style: str = "hash", chat: bool = False,
+                prompt_ids: list[int] | None = None, end_id: int | None = None) -> tuple[list[int], int]:
+    """(prompt + response + end-of-turn ids, prompt length: SFT's loss is on the response, as the reference's
+    MLEDataCollator in trainers/mle_trainer.py masks the query), the response tokenized after the prompt
+    (alone, SentencePiece would start it with a '▁'), or alone where the two merge (BPE).
+    prompt_ids: the prompt as sampling starts from it (default: encode_prompt); end_id: default EOS."""
+    prompt_ids = encode_prompt(tok, prompt) if prompt_ids is None else prompt_ids
+    target = sft_target(answer, style, chat)
+    prompt_text_ids = tok(prompt, add_special_tokens=False).input_ids
     joint = tok(prompt + target, add_special_tokens=False).input_ids
     if joint[: len(prompt_text_ids)] == prompt_text_ids:
         response = joint[len(prompt_text_ids):]
     else:
         response = tok(target, add_special_tokens=False).input_ids
-    return prompt_ids + response + [tok.eos_token_id], len(prompt_ids)
+    return prompt_ids + response + [tok.eos_token_id if end_id is None else end_id], len(prompt_ids)
+
+
+def no_answer_warning(texts: list[str], style: str, math: bool, where: str) -> str | None:
+    """A warning when not one of these responses gives an answer the grader can read (None when one does):
+    it names the style expected and the settings that change it. Training from zero reward is allowed."""
+    read = (lambda t: bool(math_answers(t))) if math else (lambda t: final_answer(t, style) is not None)
+    if not texts or any(map(read, texts)):
+        return None
+    expected = "MATH's final answer (a \\boxed{}, or a last number)" if math else \
+        {"hash": "a final '#### N' line (--answer hash)", "boxed": "a \\boxed{N} (--answer boxed)"}[style]
+    other = "" if math else f"--answer {'boxed' if style == 'hash' else 'hash'} grades the other style; "
+    return (f"warning: {where}: none of the {len(texts)} responses holds an answer the grader can read; it "
+            f"expects {expected}; {other}--prompt-template and --chat change what the model is asked")
 
 
 # ---- MATH (Hendrycks et al. 2021): the answer in \\boxed{}, graded up to equivalence ------------------

@@ -24,11 +24,17 @@ class Sampling:
     temperature: float        # softmax(logits / T); every log-prob divides its logits by T too; 0: greedy
     top_p: float              # nucleus sampling; the log-probs do not model it (1.0 samples the policy exactly)
     max_new_tokens: int       # a response's token budget; an MC continuation has what its prefix leaves
-    eos_id: int
+    eos_id: int               # the id a finished response ends in (the stop string's cut appends it)
     pad_id: int
     stop: str | None = None   # a string that ends a response (reward.STOP), cut off with what follows it
     tokenizer: object = None  # decodes: for the stop string and for grading
     max_batch_tokens: int = 65536  # one generate call's budget: rows x (prefix + new tokens)
+    eos_ids: tuple[int, ...] = ()  # more ids that end a response: the generation config's, a chat turn's end
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        """Every id that ends a response, eos_id first."""
+        return tuple(dict.fromkeys((self.eos_id, *self.eos_ids)))
 
 
 @dataclass
@@ -69,12 +75,13 @@ class Episode:
     returns: torch.Tensor | None = None                    # [T] critic's regression targets
     question: str = ""                                     # the problem (MATH's grader reads it)
     math: bool = False                                     # a MATH problem: MATH's grader and steps
+    style: str = "hash"                                    # GSM8K's answer style (--answer): hash | boxed
 
 
 def response_reward(ep: Episode, response_ids: list[int], tokenizer) -> float:
     """R of a whole response (ep's own, or a prefix of it and a continuation) to ep's problem: reward.grade."""
     text = tokenizer.decode(response_ids, skip_special_tokens=True)
-    return reward.grade(text, ep.gold, ep.question, ep.math)
+    return reward.grade(text, ep.gold, ep.question, ep.math, ep.style)
 
 
 def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> list[Episode]:
@@ -82,7 +89,7 @@ def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> 
     prompts = [p["prompt_ids"] for p in problems]
     conts, done = sample(model, prompts, k, [sampling.max_new_tokens] * len(prompts), sampling)
     episodes = [Episode(p["prompt_ids"], c, p["answer"], group, f, question=p["question"],
-                        math=p.get("math", False))
+                        math=p.get("math", False), style=p.get("style", "hash"))
                 for group, (p, cs, fs) in enumerate(zip(problems, conts, done)) for c, f in zip(cs, fs)]
     for ep in episodes:
         ep.reward = response_reward(ep, ep.response_ids, sampling.tokenizer) if ep.finished else 0.0
@@ -166,6 +173,12 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def forkable(cache) -> bool:
+    """Whether fork can read states out of this cache: every layer a DynamicLayer that holds every position
+    (a sliding-window layer keeps only the last window; any other kind of layer the fork does not know)."""
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
          method: str | None = None):
     """Reset to each prefix (row rows[j] of `cache`) k times: left-padded ids [n*k, W], mask, and a cache of
@@ -206,30 +219,54 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
 def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, sampling: Sampling,
                     fork_method: str | None = None):
     """New ids of k forks of each prefix by HF `generate`; the fork buffers die on return (one batch alive)."""
+    if not forkable(cache):  # each prefix encoded afresh: correct for any cache, slower
+        return fresh_decode(model, prefixes, k, budget, sampling)
     ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id, fork_method)
-    # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
-    decoding = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) \
-        if sampling.temperature > 0 else dict(do_sample=False)
     # synced_gpus=False: each process decodes on its own (with FSDP, HF would lock processes in step)
     out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=budget,
-                         eos_token_id=sampling.eos_id, pad_token_id=sampling.eos_id, stop_strings=sampling.stop,
-                         tokenizer=sampling.tokenizer, synced_gpus=False, **decoding)
+                         eos_token_id=list(sampling.stops), pad_token_id=sampling.eos_id, stop_strings=sampling.stop,
+                         tokenizer=sampling.tokenizer, synced_gpus=False, **decoding(sampling))
     return out[:, ids.shape[1]:].tolist()
 
 
-def finish(seq: list[int], budget: int, eos_id: int, tokenizer=None, stop: str | None = None):
+def decoding(sampling: Sampling) -> dict:
+    # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
+    return dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) \
+        if sampling.temperature > 0 else dict(do_sample=False)
+
+
+def fresh_decode(model, prefixes, k: int, budget: int, sampling: Sampling):
+    """New ids of k continuations of each prefix, the prefixes encoded afresh by `generate`, those of one
+    length together: no padding (a padded row can turn an eager sliding-window attention's output to NaN)."""
+    device, new = next(model.parameters()).device, [None] * len(prefixes)
+    for length in sorted(set(map(len, prefixes))):
+        same = [j for j, p in enumerate(prefixes) if len(p) == length]
+        ids = torch.tensor([prefixes[j] for j in same for _ in range(k)], device=device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
+                             eos_token_id=list(sampling.stops), pad_token_id=sampling.eos_id,
+                             stop_strings=sampling.stop, tokenizer=sampling.tokenizer, synced_gpus=False,
+                             **decoding(sampling))[:, length:].tolist()
+        for i, j in enumerate(same):
+            new[j] = out[i * k:(i + 1) * k]
+    return [row for rows in new for row in rows]
+
+
+def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None = None):
     """(row cut after its first EOS, to its budget, and before `stop` then EOS, ends in EOS): text after the
     stop string is a next problem the model began inventing, never part of the answer.
+    eos_id: an id, or several (Sampling.stops: any ends it; the stop string's cut appends the first).
     HF stops at the token completing `stop`: it lies in the last len(stop) tokens (each adds >= 1 char)."""
-    seq = (seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)[:budget]
-    body = seq[:-1] if seq and seq[-1] == eos_id else seq
+    ends = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    first = next((t for t, token in enumerate(seq) if token in ends), None)
+    seq = (seq if first is None else seq[: first + 1])[:budget]
+    body = seq[:-1] if seq and seq[-1] in ends else seq
     text = lambda lo: tokenizer.decode(body[lo:], skip_special_tokens=True)
     if stop and stop in text(max(0, len(body) - len(stop))):
         start = len(body) - 1
         while stop not in text(start):  # the last token whose text, with what follows, holds `stop`
             start -= 1
-        seq = body[:start] + [eos_id]
-    return seq, bool(seq) and seq[-1] == eos_id
+        seq = body[:start] + [ends[0]]
+    return seq, bool(seq) and seq[-1] in ends
 
 
 @torch.no_grad()
@@ -261,7 +298,7 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
         new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
                               sampling, fork_method) if budget > 0 else [[]] * (len(chunk) * k)
         for i, j in enumerate(chunk):
-            results = [finish(seq, budgets[j], sampling.eos_id, sampling.tokenizer, sampling.stop)
+            results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer, sampling.stop)
                        for seq in new[i * k:(i + 1) * k]]
             conts[j], done[j] = [c for c, _ in results], [f for _, f in results]
     model.train(was_training)

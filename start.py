@@ -103,8 +103,8 @@ def load_run(cfg, device, autocast):
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable(**RECOMPUTE)
     context = getattr(policy.config, "max_position_embeddings", None)
-    for problem in train_set + eval_set:
-        problem["prompt_ids"] = reward.encode_prompt(tok, problem["prompt"])
+    pose_problems(cfg, tok, train_set + eval_set)
+    announce_fork(cfg, policy)
     train_set, eval_set = (drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
                            for problems, split in ((train_set, "training"), (eval_set, "held-out")))
     fit_prompts_per_iter(cfg, len(train_set))
@@ -280,7 +280,7 @@ def go_offline_without_hub(cfg):
     first, and if it cannot be reached they run offline (cached files only, a missing one fails at once)."""
     from huggingface_hub import constants, get_session
     model = checkpoint.ALIASES.get(cfg.model, cfg.model)
-    needs_hub = (model != "tiny" and not os.path.isdir(model)) or {"gsm8k", "math"} & {cfg.data, cfg.eval_data}
+    needs_hub = (model != "tiny" and not os.path.exists(model)) or {"gsm8k", "math"} & {cfg.data, cfg.eval_data}
     if not needs_hub or constants.HF_HUB_OFFLINE:
         return
     try:
@@ -290,10 +290,12 @@ def go_offline_without_hub(cfg):
         tqdm.write(f"the hub ({constants.ENDPOINT}) cannot be reached ({first_line(e)}): cached files only")
 
 
-def sft_examples(tok, problems: list[dict], max_tokens: int) -> list[tuple[list[int], int]]:
+def sft_examples(tok, problems: list[dict], max_tokens: int, chat: bool = False) -> list[tuple[list[int], int]]:
     """(ids, prompt length) of the SFT examples no longer than the longest sequence RL holds, max_tokens =
     --max-prompt-tokens + --max-new-tokens: SFT never needs more memory than RL for one."""
-    examples = [reward.sft_example(tok, p["prompt"], p.get("demonstration", p["answer"])) for p in problems]
+    end = stop_ids(tok, None, chat)[0]  # the id a turn ends in, as sampling stops at it
+    examples = [reward.sft_example(tok, p["prompt"], p.get("demonstration", p["answer"]), p.get("style", "hash"),
+                                   chat, p["prompt_ids"], end) for p in problems]
     kept = [(ids, n_prompt) for ids, n_prompt in examples if len(ids) <= max_tokens]
     if not kept:
         raise DataError(f"--max-prompt-tokens + --max-new-tokens = {max_tokens}: every training problem's SFT "
@@ -308,7 +310,7 @@ def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
     """Supervised warm start on the gold (or demonstration) solutions: a loss on their response tokens only."""
     rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
     rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
-    examples, skipped = sft_examples(tok, problems, cfg.max_prompt_tokens + cfg.max_new_tokens), 0
+    examples, skipped = sft_examples(tok, problems, cfg.max_prompt_tokens + cfg.max_new_tokens, cfg.chat), 0
     policy.train()
     optim = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     for step in tqdm(range(steps), desc="sft", disable=rank != 0):
@@ -330,3 +332,82 @@ def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
     policy.eval()  # training mode (dropout) only inside an update
     if skipped and rank == 0:
         tqdm.write(f"warning: sft: {skipped} of {steps} steps skipped: non-finite loss or gradient")
+
+
+# ---- the model a user brings: its prompt, answer style, end-of-turn ids, cache -------------------------
+
+def pose_problems(cfg, tok, problems: list[dict]):
+    """Each problem's prompt text and ids, and its answer style (--answer): --prompt-template (else the data's
+    own template; with --chat the question alone), with --chat a user turn of the tokenizer's chat template
+    (and --system), add_generation_prompt: ids as the template writes them, no BOS added to them."""
+    if cfg.chat and not getattr(tok, "chat_template", None):
+        raise DataError(f"--chat: the tokenizer of --model {cfg.model!r} has no chat template; leave out --chat "
+                        "and write the prompt with --prompt-template")
+    if cfg.answer != "hash" and reward.is_math(problems):
+        raise DataError(f"--answer {cfg.answer}: only for GSM8K-format data and arith; MATH is graded by its "
+                        "own rules (its \\boxed{} answer)")
+    template = cfg.prompt_template or ("{question}" if cfg.chat else None)
+    for p in problems:
+        if template is not None:
+            p["prompt"] = template.replace("{question}", p["question"].strip())
+        if cfg.chat:
+            system = [{"role": "system", "content": cfg.system}] if cfg.system else []
+            p["prompt"] = tok.apply_chat_template(system + [{"role": "user", "content": p["prompt"]}],
+                                                  tokenize=False, add_generation_prompt=True)
+            p["prompt_ids"] = tok(p["prompt"], add_special_tokens=False).input_ids
+        else:
+            p["prompt_ids"] = reward.encode_prompt(tok, p["prompt"])
+        if not p.get("math"):
+            p["style"] = cfg.answer
+
+
+def stop_ids(tok, model, chat: bool) -> tuple[int, ...]:
+    """Every id that ends a response, the one SFT ends a turn in first: with --chat the chat template's end
+    of turn (Qwen's <|im_end|>, Llama 3's <|eot_id|>), else the tokenizer's EOS; then the tokenizer's EOS and
+    every id of the model's generation_config.eos_token_id (an int or a list)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    ids = ([end_of_turn(tok)] if chat else []) + [tok.eos_token_id] + configured
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def end_of_turn(tok) -> int | None:
+    """The special token the chat template writes right after an assistant's turn, if it writes one."""
+    marker = "ANSWER-7f3"
+    text = tok.apply_chat_template([{"role": "user", "content": "Q"}, {"role": "assistant", "content": marker}],
+                                   tokenize=False)
+    after = tok(text.split(marker)[-1], add_special_tokens=False).input_ids
+    return after[0] if after and after[0] in tok.all_special_ids + list(tok.added_tokens_decoder) else None
+
+
+def announce_fork(cfg, policy):
+    """One line when the policy's KV cache cannot be forked (sliding-window layers, or any the fork does not
+    know): every continuation then encodes its prefix afresh, with the same numbers, more slowly."""
+    device = next(policy.parameters()).device
+    with torch.no_grad():
+        cache = policy(input_ids=torch.ones(1, 2, dtype=torch.long, device=device), use_cache=True).cache
+    if not rollout.forkable(cache) and parallel.rank() == 0:
+        kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [cache])})
+        what = "MC values and sampling" if cfg.algo == "vineppo" else "sampling"
+        tqdm.write(f"--model {cfg.model}: its KV cache ({', '.join(kinds)}) cannot be forked: {what} encode "
+                   "each state's prefix afresh (the same values, slower)")
+
+
+def read_template_file(given: dict, error):
+    """--prompt-template @FILE: the file's text is the template (config.json records the text)."""
+    template = given.get("prompt_template", "")
+    if template.startswith("@"):
+        try:
+            with open(template[1:], encoding="utf-8") as f:
+                given["prompt_template"] = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            error(f"--prompt-template {template}: cannot read {template[1:]!r} ({first_line(e)})")
+
+
+def warn_if_unread(episodes, tok, where: str):
+    """A warning line when no response holds an answer the grader reads (reward.no_answer_warning)."""
+    texts = [tok.decode(ep.response_ids, skip_special_tokens=True) for ep in episodes]
+    style, math = (episodes[0].style, episodes[0].math) if episodes else ("hash", False)
+    warning = reward.no_answer_warning(texts, style, math, where)
+    if warning and parallel.rank() == 0:
+        tqdm.write(warning)

@@ -61,6 +61,7 @@ TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
 # AdamW moves every weight by about lr a step (its update is lr times a ratio of moments near +-1):
 # above 1 a step outweighs any weight of a language model, and near float32's limit it overflows
 LR = (lambda v: 0 <= v <= 1, ">= 0 and at most 1 (AdamW moves each weight by about lr a step)")
+TEMPLATE = (lambda v: v == "" or "{question}" in v, "a template holding {question}, e.g. 'Q: {question}\\nA:'")
 
 
 @dataclasses.dataclass
@@ -71,6 +72,12 @@ class Config:
     data: str = arg("arith", "'arith' (built-in), 'gsm8k', 'math' (hub), or a .jsonl of question/answer "
                              "(GSM8K) or problem/solution (MATH)")
     eval_data: str = arg("", "held-out problems; default: the test split of --data (for .jsonl: the same file)")
+    prompt_template: str = arg("", "the prompt: a format string holding {question}, or @FILE holding one "
+                                   "(default: the data's own; with --chat the question alone)", TEMPLATE)
+    chat: bool = arg(False, "the prompt as a user turn of the tokenizer's chat template (an instruct model)")
+    system: str = arg("", "with --chat: a system turn before it")
+    answer: str = arg("hash", "GSM8K-format data, arith: the answer graded and written by SFT: hash (a last "
+                              "'#### N') | boxed (the last \\boxed{N}, up to equivalence)", one_of("hash", "boxed"))
     out: str = arg("out", "output directory: metrics.jsonl, samples.jsonl, checkpoint/")
     algo: str = arg("vineppo", "vineppo | ppo (critic) | tppo (tracking critic) | grpo", one_of(*ppo.ALGOS))
     seed: int = arg(0, "random seed", (lambda v: 0 <= v < 2**63, "0 <= SEED < 2**63 (torch's seeds)"))
@@ -155,8 +162,9 @@ def main(cfg: Config):
     # under torchrun one process per GPU (its rank of world); else 0 of 1
     rank, world, device, autocast = start.start_process(cfg)
     tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
+    stops = start.stop_ids(tok, policy.model, cfg.chat)  # every id that ends a response, SFT's first
     sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
-                                max_new_tokens=cfg.max_new_tokens, eos_id=tok.eos_token_id,
+                                max_new_tokens=cfg.max_new_tokens, eos_id=stops[0], eos_ids=stops,
                                 pad_id=rollout.pad_id(tok), stop=reward.STOP, tokenizer=tok,
                                 max_batch_tokens=cfg.max_batch_tokens)
     if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
@@ -172,6 +180,7 @@ def main(cfg: Config):
         problems = reward.draw_problems(train_set, cfg.prompts_per_iter, cfg.seed + it, rank, world)
         with autocast, parallel.whole(policy.model):  # FSDP: full weights while processes sample apart
             episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, sampling)
+        start.warn_if_unread(episodes, tok, f"iteration {it}")
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
         # 4-5. old log-probs, and the values: VinePPO's MC estimates or a critic's
@@ -245,6 +254,7 @@ def evaluate(policy, problems: list[dict], cfg: Config, sampling, autocast, iter
         at_temperature = dataclasses.replace(sampling, temperature=cfg.eval_temperature)
         episodes = rollout.sample_episodes(policy, mine, cfg.eval_samples, at_temperature)
         greedy = rollout.sample_episodes(policy, mine, 1, dataclasses.replace(sampling, temperature=0.0))
+    start.warn_if_unread(episodes + greedy, sampling.tokenizer, f"evaluation at iteration {iteration}")
     if parallel.rank() == 0:
         tok = sampling.tokenizer
         with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
@@ -272,6 +282,7 @@ def parse_args(argv=None) -> Config:
         shown = settings.help_text(f, PRESETS)  # the help and the default
         p.add_argument("--" + f.name.replace("_", "-"), default=None, help=shown, **kind)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    start.read_template_file(given, p.error)
     math_data = reward.is_math_data(given.get("data", Config.data))
     tiny = given.get("model", Config.model) == "tiny"
     cfg = Config(**{**(MATH if math_data else {}), **(DEMO if tiny else {}), **given})
@@ -290,6 +301,8 @@ def parse_args(argv=None) -> Config:
     if cfg.mc_top_up and (not cfg.mc_reuse or cfg.mc_max_rollouts):
         p.error("--mc-top-up counts the responses as continuations: it needs --mc-reuse, not "
                 "--mc-max-rollouts")
+    if cfg.system and not cfg.chat:
+        p.error("--system: a system turn needs --chat (the tokenizer's chat template)")
     if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
         p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
     if cfg.critic_warmup and cfg.algo not in ("ppo", "tppo"):

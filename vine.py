@@ -26,7 +26,7 @@ import rollout
 def split_steps(episodes: list[rollout.Episode], tok):
     """Set ep.step_starts: the token index where each reasoning step (state s_i) of the response begins."""
     for ep in episodes:
-        ep.step_starts = response_step_starts(tok, ep.response_ids, math=ep.math)
+        ep.step_starts = response_step_starts(tok, ep.response_ids, math=ep.math, boxed=ep.style == "boxed")
 
 
 def mc_values(model, episodes: list[rollout.Episode], cache, k: int, sampling: rollout.Sampling,
@@ -174,13 +174,13 @@ def episode_advantages(ep: rollout.Episode) -> torch.Tensor:
 
 # ---- engineering: steps found in the text, mapped to tokens (skip on a first reading) --------------------
 
-def step_starts(token_texts: list[str]) -> list[int]:
+def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
     """Token index where each step starts, by the reference's rule (tasks/gsm8k.py) on the tokens' text: a
     step opens at each line; leading empty lines join the first; the last non-empty line, empty lines after
-    it and the answer ('\\n####') form one; a token is in its first character's step, so a step's tokens
-    are exactly those whose text begins inside it."""
+    it and the answer ('\\n####'; boxed: the line of the first \\boxed, from its '\\n') form one; a token is
+    in its first character's step, so a step's tokens are exactly those whose text begins inside it."""
     text = "".join(token_texts)
-    answer_at = text.find("\n####")
+    answer_at = text.rfind("\n", 0, max(0, text.find("\\boxed"))) if boxed else text.find("\n####")
     lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
     nonempty = [i for i, line in enumerate(lines) if line.strip()]
     opens = []  # character positions of the '\n' that opens a step
@@ -212,9 +212,10 @@ def decoded_pieces(tok, ids: list[int]) -> list[str]:
     return pieces
 
 
-def response_step_starts(tok, response_ids: list[int], math: bool = False) -> list[int]:
-    """By GSM8K's rule (one line a step), or by MATH's (math: sentences and lines, LaTeX kept whole)."""
+def response_step_starts(tok, response_ids: list[int], math: bool = False, boxed: bool = False) -> list[int]:
+    """By GSM8K's rule (one line a step; boxed: --answer boxed's answer line), or by MATH's (math: sentences
+    and lines, LaTeX kept whole)."""
     pieces = decoded_pieces(tok, response_ids)
     if math:
         return token_steps(pieces, math_grader.math_step_offsets("".join(pieces))[1:-1])
-    return step_starts(pieces)
+    return step_starts(pieces, boxed)
