@@ -57,9 +57,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import parallel
 import reward
 import rollout
 import vine
+from prompts import encode_prompt, sft_example, sft_target
 from reward import DataError, first_line
 
 PAD = 0
@@ -468,7 +470,7 @@ def model_files(ctx, result):
     shape, train = ctx.mode["shape"], ctx.mode["train"]
     problems = reward.read_jsonl(FIXTURE)
     texts = [reward.PROMPT.format(question=p["question"]) for p in problems]
-    tok = tokenizer_32k(texts + [reward.sft_target(p["answer"]) for p in problems], shape["vocab"],
+    tok = tokenizer_32k(texts + [sft_target(p["answer"]) for p in problems], shape["vocab"],
                         train["newline_every"])
     config = LlamaConfig(vocab_size=len(tok), hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
                          num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
@@ -479,7 +481,7 @@ def model_files(ctx, result):
         model = LlamaForCausalLM(config)
     model.to(torch.bfloat16).save_pretrained(ctx.model_dir)  # train.py loads it in fp32
     tok.save_pretrained(ctx.model_dir)
-    prompt_tokens = [len(reward.encode_prompt(tok, text)) for text in texts]
+    prompt_tokens = [len(encode_prompt(tok, text)) for text in texts]
     result.update(params=sum(t.numel() for t in model.parameters()), vocab=len(tok),
                   attention_implementation=model.config._attn_implementation,
                   mean_prompt_tokens=round(statistics.mean(prompt_tokens), 1), data=os.path.relpath(FIXTURE))
@@ -496,8 +498,8 @@ def generation(ctx, result):
     result.update(attention_implementation=model.config._attn_implementation,
                   precision="bf16 autocast over fp32 weights (train.py's --precision bf16)", plain=[])
     plain = dict(ctx.mode["plain"], samples=train["samples"])
-    for prompts in (train["prompts"], 8 * train["prompts"]):  # a GPU's share of eight; one GPU's whole batch
-        result["plain"].append(plain_sampling(model, shape["vocab"], plain, prompts, ctx.device, autocast,
+    for n_prompts in (train["prompts"], 8 * train["prompts"]):  # a GPU's share of eight; one GPU's whole batch
+        result["plain"].append(plain_sampling(model, shape["vocab"], plain, n_prompts, ctx.device, autocast,
                                               "autocast"))
     with contextlib.redirect_stdout(io.StringIO()):
         forks = speed(a, model, only=("fork-batch", "fork-gather", "decode-only", "forward"), autocast=autocast)
@@ -613,8 +615,8 @@ def iteration(ctx, result: dict, algo: str):
             train.main(cfg)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             row = [json.loads(line) for line in f][-1]
-    result["time"] = {k: round(row[k], 3) for k in train.PHASES + ("seconds",)}
-    result["metrics"] = {k: row[k] for k in ("episodes", "response_tokens", "mc_states", "mc_rollouts", "mc_tokens",
+    result["time"] = {k: round(row[k], 3) for k in parallel.PHASES + ("seconds",)}
+    result["metrics"] = {k: row[k] for k in ("episodes", "response_tokens", "mc_states", "mc_continuations", "mc_tokens",
                                              "tokens_generated")}
 
 
@@ -735,7 +737,7 @@ def generation_table(generation: dict) -> list[str]:
 
 
 def iteration_table(report: dict) -> list[str]:
-    from train import PHASES
+    from parallel import PHASES
     runs = {algo: report["parts"].get(f"iteration_{algo}", {}) for algo in ALGOS}
     train = report["settings"]["train"]
     kinds = {run.get("peak_memory_kind") for run in runs.values()} - {None}
@@ -789,7 +791,7 @@ def mc_token_count(tok, problems: list[dict], prompts: int = 64, samples: int = 
     over the mean, drawn from these lengths: how much more decoding than tokens there is, at most."""
     lengths, rests, steps, prompt_lengths = [], [], [], []
     for p in problems:
-        ids, n_prompt = reward.sft_example(tok, reward.PROMPT.format(question=p["question"].strip()), p["answer"])
+        ids, n_prompt = sft_example(tok, reward.PROMPT.format(question=p["question"].strip()), p["answer"])
         response = ids[n_prompt:]
         starts = vine.response_step_starts(tok, response)
         lengths.append(len(response))

@@ -53,7 +53,8 @@ import train
 import value
 import vine
 from checkpoint import load_critic, load_model
-from reward import STOP, DataError, encode_prompt, first_line, grade, load_problems
+from prompts import encode_prompt
+from reward import STOP, DataError, first_line, grade, load_problems
 
 
 def pairwise_accuracy(groups) -> float:

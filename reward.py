@@ -60,16 +60,7 @@ def grade(response: str, gold: str, question: str = "", math: bool = False, styl
     return math_reward(response, gold, question) if math else gsm8k_reward(response, gold, style)
 
 
-# ---- engineering: SFT targets, the built-in task, data loading with clear errors (skip on a first reading)
-
-def sft_target(answer: str, style: str = "hash", chat: bool = False) -> str:
-    """The SFT response of the reference: '\\n' + answer without <<calculator>> notes + '\\n'; its final
-    '#### N' written 'The answer is \\boxed{N}.' in the boxed style; a chat turn without the newlines."""
-    text = re.sub(r"<<[^>]*>>", "", answer)
-    if style == "boxed" and "####" in text:
-        head, _, number = text.rpartition("####")
-        text = head + f"The answer is \\boxed{{{number.strip()}}}."
-    return text.strip("\n") if chat else "\n" + text + "\n"
+# ---- engineering: the built-in task, data loading with clear errors (skip on a first reading) ----------
 
 
 def arith_problem(rng: random.Random, min_steps: int, max_steps: int, slip: float = 0.0) -> dict:
@@ -255,42 +246,6 @@ def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world:
     """This process's equal share of n problems drawn with `seed` (the same in every process)."""
     picked = random.Random(seed).sample(range(len(problems)), min(n, len(problems) // world * world))
     return [problems[i] for i in picked[rank::world]]
-
-
-def encode_prompt(tok, prompt: str) -> list[int]:
-    """BOS + the prompt's tokens: what sampling starts from (the tokenizer's own BOS, as in pretraining)."""
-    ids = tok(prompt, add_special_tokens=False).input_ids
-    return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
-
-
-def sft_example(tok, prompt: str, answer: str, style: str = "hash", chat: bool = False,
-                prompt_ids: list[int] | None = None, end_id: int | None = None) -> tuple[list[int], int]:
-    """(prompt + response + end-of-turn ids, prompt length: SFT's loss is on the response, as the reference's
-    MLEDataCollator in trainers/mle_trainer.py masks the query), the response tokenized after the prompt
-    (alone, SentencePiece would start it with a '▁'), or alone where the two merge (BPE).
-    prompt_ids: the prompt as sampling starts from it (default: encode_prompt); end_id: default EOS."""
-    prompt_ids = encode_prompt(tok, prompt) if prompt_ids is None else prompt_ids
-    target = sft_target(answer, style, chat)
-    prompt_text_ids = tok(prompt, add_special_tokens=False).input_ids
-    joint = tok(prompt + target, add_special_tokens=False).input_ids
-    if joint[: len(prompt_text_ids)] == prompt_text_ids:
-        response = joint[len(prompt_text_ids):]
-    else:
-        response = tok(target, add_special_tokens=False).input_ids
-    return prompt_ids + response + [tok.eos_token_id if end_id is None else end_id], len(prompt_ids)
-
-
-def no_answer_warning(texts: list[str], style: str, math: bool, where: str) -> str | None:
-    """A warning when not one of these responses gives an answer the grader can read (None when one does):
-    it names the style expected and the settings that change it. Training from zero reward is allowed."""
-    read = (lambda t: bool(math_answers(t))) if math else (lambda t: final_answer(t, style) is not None)
-    if not texts or any(map(read, texts)):
-        return None
-    expected = "MATH's final answer (a \\boxed{}, or a last number)" if math else \
-        {"hash": "a final '#### N' line (--answer hash)", "boxed": "a \\boxed{N} (--answer boxed)"}[style]
-    other = "" if math else f"--answer {'boxed' if style == 'hash' else 'hash'} grades the other style; "
-    return (f"warning: {where}: none of the {len(texts)} responses holds an answer the grader can read; it "
-            f"expects {expected}; {other}--prompt-template and --chat change what the model is asked")
 
 
 # ---- MATH (Hendrycks et al. 2021): the answer in \\boxed{}, graded up to equivalence ------------------

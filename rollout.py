@@ -1,9 +1,10 @@
-"""Sampling from forks of a KV cache, per-token log-probs, the stop rule, forward batching. The fork is
-VinePPO's environment reset (§3): the pass over whole trajectories holds every prefix's keys/values, so a
-state is forked by copying them, K times, into buffers with room to decode on.
+"""Sampling, and VinePPO's environment reset (§3): the forward pass over whole trajectories that gives the
+old log-probs holds every prefix's keys and values, so a state s_i is reset to by copying its columns of
+that KV cache, K times, into buffers with room to decode on (fork), and `generate` samples on from there.
 
-Needs: reward.py (grade: a text's reward). Algorithm: Sampling, Episode, sample_episodes, old_logprobs,
-reference_logprobs; the fork and batching below them are engineering a first reading may skip."""
+Needs: reward.py (a text's reward). Algorithm: Sampling, Episode, sample_episodes, sample, fork, old_logprobs,
+reference_logprobs; below the engineering line: the stop rule, caches that cannot be forked, the cache buffers,
+log-softmax in pieces and the batching, which a first reading may skip."""
 from dataclasses import dataclass, field
 
 import torch
@@ -97,92 +98,52 @@ def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> 
 
 
 @torch.no_grad()
-def old_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int, keep_cache: bool = False):
-    """Set ep.old_logp ([T]) by one forward pass over the episodes; -> its KV cache (keep_cache) or None."""
-    logps, cache = response_logprobs(model, episodes, temperature, pad_id, keep_cache)
-    for ep, lp in zip(episodes, logps):
-        ep.old_logp = lp
-    return cache
-
-
-def reference_logprobs(ref, episodes: list[Episode], temperature: float, pad_id: int, batch_tokens: int):
-    """Set ep.ref_logp ([T]) under the frozen reference model, once per iteration (as the reference's
-    PPOTrainer.step does before its epochs): the KL term's target does not move within an iteration."""
-    for chunk in group_chunks(episodes, batch_tokens):
-        for ep, lp in zip(chunk, response_logprobs(ref, chunk, temperature, pad_id)[0]):
-            ep.ref_logp = lp
-
-
-@torch.no_grad()
-def response_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int, keep_cache=False):
-    """([T] log-probs of each episode's response tokens, the KV cache of the pass or None)."""
-    ids, mask = pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id,
-                          next(model.parameters()).device)
-    logp, cache = token_logprobs(model, ids, mask, temperature, keep_cache)
-    return per_response(logp, episodes), cache
-
-
-# ---- engineering: padding, log-softmax in pieces, the KV-cache fork, batching (skip on a first reading) -----
-
-def pad_id(tok) -> int:
-    """The tokenizer's pad id, or EOS where it has none (Llama's): padding is masked anyway."""
-    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-
-def pad_right(seqs: list[list[int]], pad_id: int, device=None):
-    rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
-    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
-    mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
-    return ids.to(device), mask.to(device)
-
-
-def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
-    """log pi(x_{t+1} | x_<=t) [B, L-1] under softmax(logits / T), the distribution sampled from (as the
-    reference's PPOTrainer._forward_pass_actor divides by the temperature); the cache."""
-    out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
-    logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
-    return logp, (out.cache if keep_cache else None)
-
-
-def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
-    """log_softmax(logits / T)[target] in >= fp32, a few positions at a time (not two fp32 copies of all)."""
-    step = max(1, chunk_tokens // logits.shape[0])
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32 (float64 stays)
-    pieces = []
-    for lo in range(0, logits.shape[1], step):
-        scaled = logits[:, lo: lo + step].to(dtype) / temperature
-        pieces.append(scaled.log_softmax(-1).gather(-1, targets[:, lo: lo + step, None]).squeeze(-1))
-    return torch.cat(pieces, 1)
-
-
-class PreallocatedLayer(DynamicLayer):
-    """Cache buffers sized for the whole generation, written in place (DynamicLayer's torch.cat was slow)."""
-
-    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
-        super().__init__()
-        self.key_buffer, self.value_buffer = key_buffer, value_buffer  # [B, H, capacity, D]
-        self.keys, self.values = key_buffer[:, :, :length], value_buffer[:, :, :length]
-        self.device, self.is_initialized = key_buffer.device, True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        start = self.keys.shape[-2]
-        end = start + key_states.shape[-2]
-        self.key_buffer[:, :, start:end] = key_states
-        self.value_buffer[:, :, start:end] = value_states
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
-        return self.keys, self.values
-
-
-def forkable(cache) -> bool:
-    """Whether fork can read states out of this cache: every layer a DynamicLayer that holds every position
-    (a sliding-window layer keeps only the last window; any other kind of layer the fork does not know)."""
-    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling: Sampling, *, cache=None,
+           rows: list[int] | None = None, fork_method: str | None = None):
+    """k continuations and finished flags per prefix (lists [n][k]), forked from `cache` (prefix j is row
+    rows[j] of it) or, without a cache, from one encoded here; each continuation stops at an end-of-turn id,
+    the stop string or its budget (finish), and is finished only when it stopped by itself."""
+    if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
+        return [], []
+    device = next(model.parameters()).device
+    context = model.config.max_position_embeddings
+    budgets = [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
+    if cache is None:  # encode the prefixes, once each, in the batches they will decode in; then fork
+        conts, done = [None] * len(prefixes), [None] * len(prefixes)
+        for part in least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
+                                  sampling.max_batch_tokens, batch_overhead(model)):
+            ids, mask = pad_right([prefixes[j] for j in part], sampling.pad_id, device)
+            part_cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
+            c, d = sample(model, [prefixes[j] for j in part], k, [budgets[j] for j in part], sampling,
+                          cache=part_cache, rows=list(range(len(part))), fork_method=fork_method)
+            for j, cj, dj in zip(part, c, d):
+                conts[j], done[j] = cj, dj
+        return conts, done
+    was_training = model.training
+    model.eval()  # no dropout while sampling; restored on return
+    conts, done = [None] * len(prefixes), [None] * len(prefixes)
+    for chunk in least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes), sampling.max_batch_tokens,
+                               batch_overhead(model)):
+        budget = max(budgets[j] for j in chunk)
+        new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
+                              sampling, fork_method) if budget > 0 else [[]] * (len(chunk) * k)
+        for i, j in enumerate(chunk):
+            results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer, sampling.stop)
+                       for seq in new[i * k:(i + 1) * k]]
+            conts[j], done[j] = [c for c, _ in results], [f for _, f in results]
+    model.train(was_training)
+    return conts, done
 
 
 def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
          method: str | None = None):
-    """Reset to each prefix (row rows[j] of `cache`) k times: left-padded ids [n*k, W], mask, and a cache of
-    W-1 columns (`generate` feeds the last), by "copy" or "gather" (default: gather on a GPU): equal buffers."""
+    """Reset to each prefix (row rows[j] of `cache`) k times: ids [n*k, W], mask, and a cache of W-1 columns,
+    by "copy" or "gather" (default: gather on a GPU; the two give equal buffers). What a reader needs:
+    - left padding: every prefix ends in column W-1, so all forks decode their next token in the same column;
+    - W-1 cached columns: `generate` feeds the last prefix token itself (its logits pick the first new token),
+      so the cache holds the columns before it, each prefix's keys/values right-aligned, zeros to their left;
+    - positions from the mask: `generate` numbers a row's tokens by the cumulative sum of its attention mask,
+      so a prefix's first real token is position 0 whatever its padding, as in the pass that made the cache."""
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     method = method or ("gather" if device.type == "cuda" else "copy")
     assert method in FORK_METHODS, method
@@ -229,27 +190,33 @@ def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, sampling:
     return out[:, ids.shape[1]:].tolist()
 
 
-def decoding(sampling: Sampling) -> dict:
-    # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
-    return dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) \
-        if sampling.temperature > 0 else dict(do_sample=False)
+@torch.no_grad()
+def old_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int, keep_cache: bool = False):
+    """Set ep.old_logp ([T]) by one forward pass over the episodes; -> its KV cache (keep_cache) or None."""
+    logps, cache = response_logprobs(model, episodes, temperature, pad_id, keep_cache)
+    for ep, lp in zip(episodes, logps):
+        ep.old_logp = lp
+    return cache
 
 
-def fresh_decode(model, prefixes, k: int, budget: int, sampling: Sampling):
-    """New ids of k continuations of each prefix, the prefixes encoded afresh by `generate`, those of one
-    length together: no padding (a padded row can turn an eager sliding-window attention's output to NaN)."""
-    device, new = next(model.parameters()).device, [None] * len(prefixes)
-    for length in sorted(set(map(len, prefixes))):
-        same = [j for j, p in enumerate(prefixes) if len(p) == length]
-        ids = torch.tensor([prefixes[j] for j in same for _ in range(k)], device=device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
-                             eos_token_id=list(sampling.stops), pad_token_id=sampling.eos_id,
-                             stop_strings=sampling.stop, tokenizer=sampling.tokenizer, synced_gpus=False,
-                             **decoding(sampling))[:, length:].tolist()
-        for i, j in enumerate(same):
-            new[j] = out[i * k:(i + 1) * k]
-    return [row for rows in new for row in rows]
+def reference_logprobs(ref, episodes: list[Episode], temperature: float, pad_id: int, batch_tokens: int):
+    """Set ep.ref_logp ([T]) under the frozen reference model, once per iteration (as the reference's
+    PPOTrainer.step does before its epochs): the KL term's target does not move within an iteration."""
+    for chunk in group_chunks(episodes, batch_tokens):
+        for ep, lp in zip(chunk, response_logprobs(ref, chunk, temperature, pad_id)[0]):
+            ep.ref_logp = lp
 
+
+@torch.no_grad()
+def response_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int, keep_cache=False):
+    """([T] log-probs of each episode's response tokens, the KV cache of the pass or None)."""
+    ids, mask = pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id,
+                          next(model.parameters()).device)
+    logp, cache = token_logprobs(model, ids, mask, temperature, keep_cache)
+    return per_response(logp, episodes), cache
+
+
+# ---- engineering: the stop rule, caches that cannot fork, buffers, log-softmax, batching (skip on a first reading)
 
 def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None = None):
     """(row cut after its first EOS, to its budget, and before `stop` then EOS, ends in EOS): text after the
@@ -269,40 +236,87 @@ def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None
     return seq, bool(seq) and seq[-1] in ends
 
 
-@torch.no_grad()
-def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling: Sampling, *, cache=None,
-           rows: list[int] | None = None, fork_method: str | None = None):
-    """k continuations and finished flags per prefix, forked from `cache` (row rows[j]) or encoded here."""
-    if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
-        return [], []
-    device = next(model.parameters()).device
-    context = model.config.max_position_embeddings
-    budgets = [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
-    if cache is None:  # encode the prefixes, once each, in the batches they will decode in; then fork
-        conts, done = [None] * len(prefixes), [None] * len(prefixes)
-        for part in least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
-                                  sampling.max_batch_tokens, batch_overhead(model)):
-            ids, mask = pad_right([prefixes[j] for j in part], sampling.pad_id, device)
-            part_cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
-            c, d = sample(model, [prefixes[j] for j in part], k, [budgets[j] for j in part], sampling,
-                          cache=part_cache, rows=list(range(len(part))), fork_method=fork_method)
-            for j, cj, dj in zip(part, c, d):
-                conts[j], done[j] = cj, dj
-        return conts, done
-    was_training = model.training
-    model.eval()  # no dropout while sampling; restored on return
-    conts, done = [None] * len(prefixes), [None] * len(prefixes)
-    for chunk in least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes), sampling.max_batch_tokens,
-                               batch_overhead(model)):
-        budget = max(budgets[j] for j in chunk)
-        new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
-                              sampling, fork_method) if budget > 0 else [[]] * (len(chunk) * k)
-        for i, j in enumerate(chunk):
-            results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer, sampling.stop)
-                       for seq in new[i * k:(i + 1) * k]]
-            conts[j], done[j] = [c for c, _ in results], [f for _, f in results]
-    model.train(was_training)
-    return conts, done
+def decoding(sampling: Sampling) -> dict:
+    # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
+    return dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) \
+        if sampling.temperature > 0 else dict(do_sample=False)
+
+
+def forkable(cache) -> bool:
+    """Whether fork can read states out of this cache: every layer a DynamicLayer that holds every position
+    (a sliding-window layer keeps only the last window; any other kind of layer the fork does not know)."""
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def fresh_decode(model, prefixes, k: int, budget: int, sampling: Sampling):
+    """New ids of k continuations of each prefix, the prefixes encoded afresh by `generate`, those of one
+    length together: no padding (a padded row can turn an eager sliding-window attention's output to NaN)."""
+    device, new = next(model.parameters()).device, [None] * len(prefixes)
+    for length in sorted(set(map(len, prefixes))):
+        same = [j for j, p in enumerate(prefixes) if len(p) == length]
+        ids = torch.tensor([prefixes[j] for j in same for _ in range(k)], device=device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
+                             eos_token_id=list(sampling.stops), pad_token_id=sampling.eos_id,
+                             stop_strings=sampling.stop, tokenizer=sampling.tokenizer, synced_gpus=False,
+                             **decoding(sampling))[:, length:].tolist()
+        for i, j in enumerate(same):
+            new[j] = out[i * k:(i + 1) * k]
+    return [row for rows in new for row in rows]
+
+
+class PreallocatedLayer(DynamicLayer):
+    """Cache buffers sized for the whole generation, written in place (DynamicLayer's torch.cat was slow)."""
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
+        super().__init__()
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer  # [B, H, capacity, D]
+        self.keys, self.values = key_buffer[:, :, :length], value_buffer[:, :, :length]
+        self.device, self.is_initialized = key_buffer.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+def pad_id(tok) -> int:
+    """The tokenizer's pad id, or EOS where it has none (Llama's): padding is masked anyway."""
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+def pad_right(seqs: list[list[int]], pad_id: int, device=None):
+    rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
+    return ids.to(device), mask.to(device)
+
+
+def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
+    """log pi(x_{t+1} | x_<=t) [B, L-1] under softmax(logits / T), the distribution sampled from (as the
+    reference's PPOTrainer._forward_pass_actor divides by the temperature); the cache."""
+    out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
+    logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
+    return logp, (out.cache if keep_cache else None)
+
+
+def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+    """log_softmax(logits / T)[target] in >= fp32, a few positions at a time (not two fp32 copies of all)."""
+    step = max(1, chunk_tokens // logits.shape[0])
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32 (float64 stays)
+    pieces = []
+    for lo in range(0, logits.shape[1], step):
+        scaled = logits[:, lo: lo + step].to(dtype) / temperature
+        pieces.append(scaled.log_softmax(-1).gather(-1, targets[:, lo: lo + step, None]).squeeze(-1))
+    return torch.cat(pieces, 1)
+
+
+def per_response(logp, episodes):
+    """Row slices of a [B, L-1] tensor: one [T] tensor per episode (its response tokens)."""
+    return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
+            for i, ep in enumerate(episodes)]
 
 
 def least_padding(lengths: list[int], budgets: list[int], rows: list[int], max_tokens: int, overhead: int = 0):
@@ -365,9 +379,3 @@ def group_chunks(episodes, max_tokens: int, overhead: int | None = None):
     batches = least_padding(lengths, [0] * len(groups), list(map(len, groups)), max_tokens, overhead)
     for indices in sorted(sorted(e for g in batch for e in groups[g]) for batch in batches):
         yield [episodes[e] for e in indices]
-
-
-def per_response(logp, episodes):
-    """Row slices of a [B, L-1] tensor: one [T] tensor per episode (its response tokens)."""
-    return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
-            for i, ep in enumerate(episodes)]

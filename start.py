@@ -2,7 +2,8 @@
 start, frozen reference, critic) and optimizers; on --resume, all of it as the last checkpoint left it.
 --precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup), on CPUs too.
 
-Needs: checkpoint.py, parallel.py, ppo.py (Learner), reward.py (data), rollout.py (padding),
+Needs: checkpoint.py, parallel.py, ppo.py (Learner), prompts.py (prompts, SFT examples), reward.py (data),
+rollout.py (padding),
 value.py (Critic). All engineering around the algorithm (the SFT warm start: the loss on the solution's
 tokens only, as the reference's trainers/mle_trainer.py): a first reading may skip this file."""
 import copy
@@ -21,6 +22,7 @@ from tqdm import tqdm
 import checkpoint
 import parallel
 import ppo
+import prompts
 import reward
 import rollout
 import value
@@ -103,9 +105,9 @@ def load_run(cfg, device, autocast):
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable(**RECOMPUTE)
     context = getattr(policy.config, "max_position_embeddings", None)
-    pose_problems(cfg, tok, train_set + eval_set)
+    prompts.pose_problems(cfg, tok, train_set + eval_set)
     announce_fork(cfg, policy)
-    train_set, eval_set = (drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
+    train_set, eval_set = (prompts.drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
                            for problems, split in ((train_set, "training"), (eval_set, "held-out")))
     fit_prompts_per_iter(cfg, len(train_set))
     if cfg.sft_steps and not resume_from:  # the KL reference and the critic start from the SFT policy
@@ -163,21 +165,6 @@ def check_out_apart_from_model(cfg):
         where = "is" if out == model else "is inside" if inside(out, model) else "holds it as the run's own"
         raise DataError(f"--out {cfg.out!r} {where} --model {cfg.model!r}: the run would write over the "
                         "model it starts from; choose an --out apart from it")
-
-
-def drop_long_prompts(problems: list[dict], max_tokens: int, split: str, context: int | None = None) -> list[dict]:
-    """The problems whose prompt is at most max_tokens long and leaves the model's context room for at
-    least one response token (a full context would leave every response empty)."""
-    limit = max_tokens if context is None else min(max_tokens, context - 1)
-    rule = f"--max-prompt-tokens {max_tokens}" if limit == max_tokens else \
-        f"the model's context of {context} tokens less one for the response"
-    kept = [p for p in problems if len(p["prompt_ids"]) <= limit]
-    if not kept:
-        raise DataError(f"{rule}: every {split} problem's prompt is longer")
-    if len(kept) < len(problems) and parallel.rank() == 0:
-        tqdm.write(f"skipped {len(problems) - len(kept)} of {len(problems)} {split} problems: "
-                   f"prompt over {rule}")
-    return kept
 
 
 def prepare_out(cfg):
@@ -290,27 +277,12 @@ def go_offline_without_hub(cfg):
         tqdm.write(f"the hub ({constants.ENDPOINT}) cannot be reached ({first_line(e)}): cached files only")
 
 
-def sft_examples(tok, problems: list[dict], max_tokens: int, chat: bool = False) -> list[tuple[list[int], int]]:
-    """(ids, prompt length) of the SFT examples no longer than the longest sequence RL holds, max_tokens =
-    --max-prompt-tokens + --max-new-tokens: SFT never needs more memory than RL for one."""
-    end = stop_ids(tok, None, chat)[0]  # the id a turn ends in, as sampling stops at it
-    examples = [reward.sft_example(tok, p["prompt"], p.get("demonstration", p["answer"]), p.get("style", "hash"),
-                                   chat, p["prompt_ids"], end) for p in problems]
-    kept = [(ids, n_prompt) for ids, n_prompt in examples if len(ids) <= max_tokens]
-    if not kept:
-        raise DataError(f"--max-prompt-tokens + --max-new-tokens = {max_tokens}: every training problem's SFT "
-                        "example (prompt and solution) is longer")
-    if len(kept) < len(examples) and parallel.rank() == 0:
-        tqdm.write(f"sft: skipped {len(examples) - len(kept)} of {len(examples)} training problems: prompt and "
-                   f"solution over --max-prompt-tokens + --max-new-tokens = {max_tokens} tokens")
-    return kept
-
-
 def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
     """Supervised warm start on the gold (or demonstration) solutions: a loss on their response tokens only."""
     rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
     rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
-    examples, skipped = sft_examples(tok, problems, cfg.max_prompt_tokens + cfg.max_new_tokens, cfg.chat), 0
+    max_tokens = cfg.max_prompt_tokens + cfg.max_new_tokens
+    examples, skipped = prompts.sft_examples(tok, problems, max_tokens, cfg.chat), 0
     policy.train()
     optim = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     for step in tqdm(range(steps), desc="sft", disable=rank != 0):
@@ -334,50 +306,7 @@ def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
         tqdm.write(f"warning: sft: {skipped} of {steps} steps skipped: non-finite loss or gradient")
 
 
-# ---- the model a user brings: its prompt, answer style, end-of-turn ids, cache -------------------------
-
-def pose_problems(cfg, tok, problems: list[dict]):
-    """Each problem's prompt text and ids, and its answer style (--answer): --prompt-template (else the data's
-    own template; with --chat the question alone), with --chat a user turn of the tokenizer's chat template
-    (and --system), add_generation_prompt: ids as the template writes them, no BOS added to them."""
-    if cfg.chat and not getattr(tok, "chat_template", None):
-        raise DataError(f"--chat: the tokenizer of --model {cfg.model!r} has no chat template; leave out --chat "
-                        "and write the prompt with --prompt-template")
-    if cfg.answer != "hash" and reward.is_math(problems):
-        raise DataError(f"--answer {cfg.answer}: only for GSM8K-format data and arith; MATH is graded by its "
-                        "own rules (its \\boxed{} answer)")
-    template = cfg.prompt_template or ("{question}" if cfg.chat else None)
-    for p in problems:
-        if template is not None:
-            p["prompt"] = template.replace("{question}", p["question"].strip())
-        if cfg.chat:
-            system = [{"role": "system", "content": cfg.system}] if cfg.system else []
-            p["prompt"] = tok.apply_chat_template(system + [{"role": "user", "content": p["prompt"]}],
-                                                  tokenize=False, add_generation_prompt=True)
-            p["prompt_ids"] = tok(p["prompt"], add_special_tokens=False).input_ids
-        else:
-            p["prompt_ids"] = reward.encode_prompt(tok, p["prompt"])
-        if not p.get("math"):
-            p["style"] = cfg.answer
-
-
-def stop_ids(tok, model, chat: bool) -> tuple[int, ...]:
-    """Every id that ends a response, the one SFT ends a turn in first: with --chat the chat template's end
-    of turn (Qwen's <|im_end|>, Llama 3's <|eot_id|>), else the tokenizer's EOS; then the tokenizer's EOS and
-    every id of the model's generation_config.eos_token_id (an int or a list)."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
-    ids = ([end_of_turn(tok)] if chat else []) + [tok.eos_token_id] + configured
-    return tuple(dict.fromkeys(i for i in ids if i is not None))
-
-
-def end_of_turn(tok) -> int | None:
-    """The special token the chat template writes right after an assistant's turn, if it writes one."""
-    marker = "ANSWER-7f3"
-    text = tok.apply_chat_template([{"role": "user", "content": "Q"}, {"role": "assistant", "content": marker}],
-                                   tokenize=False)
-    after = tok(text.split(marker)[-1], add_special_tokens=False).input_ids
-    return after[0] if after and after[0] in tok.all_special_ids + list(tok.added_tokens_decoder) else None
+# ---- the model a user brings: a cache that cannot be forked (its prompts and answers: prompts.py) ---------
 
 
 def announce_fork(cfg, policy):
@@ -393,21 +322,3 @@ def announce_fork(cfg, policy):
                    "each state's prefix afresh (the same values, slower)")
 
 
-def read_template_file(given: dict, error):
-    """--prompt-template @FILE: the file's text is the template (config.json records the text)."""
-    template = given.get("prompt_template", "")
-    if template.startswith("@"):
-        try:
-            with open(template[1:], encoding="utf-8") as f:
-                given["prompt_template"] = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            error(f"--prompt-template {template}: cannot read {template[1:]!r} ({first_line(e)})")
-
-
-def warn_if_unread(episodes, tok, where: str):
-    """A warning line when no response holds an answer the grader reads (reward.no_answer_warning)."""
-    texts = [tok.decode(ep.response_ids, skip_special_tokens=True) for ep in episodes]
-    style, math = (episodes[0].style, episodes[0].math) if episodes else ("hash", False)
-    warning = reward.no_answer_warning(texts, style, math, where)
-    if warning and parallel.rank() == 0:
-        tqdm.write(warning)

@@ -365,7 +365,7 @@ def check_generation(generation: dict, mode: dict):
 
 
 def check_iteration(run: dict, algo: str, train: dict):
-    from train import PHASES
+    from parallel import PHASES
     critic = algo in ("ppo", "tppo")
     assert run["model_state_bytes_arithmetic"] == bench.model_state_bytes(bench.MODES["smoke"]["shape"], critic)
     # the whole run's peak holds at least the model state: weights, gradients, AdamW moments, the reference

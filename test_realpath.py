@@ -14,8 +14,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaToke
 import checkpoint
 import rollout
 import vine
-from reward import (ARITH_PROMPT, PROMPT, STOP, arith_dataset, encode_prompt, gsm8k_reward, read_jsonl, sft_example,
-                    sft_target)
+from prompts import encode_prompt, sft_example, sft_target
+from reward import ARITH_PROMPT, PROMPT, STOP, arith_dataset, gsm8k_reward, read_jsonl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = read_jsonl(os.path.join(HERE, "fixtures", "gsm8k_sample.jsonl"))  # 55 real GSM8K problems

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint
+import prompts
 import start
 import test_vine
 import train
@@ -298,13 +299,15 @@ def test_sft_examples_capped_at_what_rl_holds_with_a_count(tiny, capsys):
     tok, _ = tiny
     problems = [{"prompt": "What is 1+1?\n", "answer": "1+1=2\n#### 2"},
                 {"prompt": "What is 2+2?\n", "answer": "2+2=4\n" * 2000 + "#### 4"}]  # a 12 KB answer
-    examples = start.sft_examples(tok, problems, max_tokens=1576)
+    for p in problems:
+        p["prompt_ids"] = prompts.encode_prompt(tok, p["prompt"])
+    examples = prompts.sft_examples(tok, problems, max_tokens=1576)
     (ids, _), = examples
-    assert examples == start.sft_examples(tok, problems[:1], 1576) and len(ids) <= 1576
+    assert examples == prompts.sft_examples(tok, problems[:1], 1576) and len(ids) <= 1576
     assert ("sft: skipped 1 of 2 training problems: prompt and solution over --max-prompt-tokens + "
             "--max-new-tokens = 1576 tokens") in capsys.readouterr().out
     with pytest.raises(DataError, match=r"--max-new-tokens = 20: every training problem's SFT example"):
-        start.sft_examples(tok, problems, max_tokens=20)
+        prompts.sft_examples(tok, problems, max_tokens=20)
 
 
 def test_sft_skips_a_non_finite_step_as_rl_does(tmp_path, capsys):
@@ -323,6 +326,8 @@ def test_sft_skips_a_non_finite_step_as_rl_does(tmp_path, capsys):
     model.register_forward_hook(nan_first, with_kwargs=True)
     cfg = train.parse_args(["--sft-steps", "3", "--sft-batch", "4"])
     problems = [{"prompt": f"What is {i}+1?\n", "answer": f"{i}+1={i + 1}\n#### {i + 1}"} for i in range(8)]
+    for p in problems:
+        p["prompt_ids"] = prompts.encode_prompt(tok, p["prompt"])
     cpu = torch.device("cpu")
     start.sft_warm_start(model, tok, problems, cfg, cpu, start.autocast(cpu, "fp32"))
     assert "warning: sft: 1 of 3 steps skipped: non-finite loss or gradient" in capsys.readouterr().out
@@ -467,10 +472,10 @@ def test_prompts_that_fill_the_context_are_dropped_and_ppo_trains(tmp_path, caps
     assert re.search(r"skipped \d+ of \d+ training problems: prompt over the model's context of 512", said)
     assert [row["iteration"] for row in numbers(tmp_path / "out")] == [0, 1]
     problems = [{"prompt_ids": [0] * n} for n in (510, 511, 512, 600)]
-    assert len(start.drop_long_prompts(problems, 1512, "training", context=512)) == 2
+    assert len(prompts.drop_long_prompts(problems, 1512, "training", context=512)) == 2
     assert "skipped 2 of 4 training problems: prompt over the model's context of 512 tokens less one for the " \
            "response" in capsys.readouterr().out
-    assert len(start.drop_long_prompts(problems, 510, "training", context=512)) == 1  # the flag's rule
+    assert len(prompts.drop_long_prompts(problems, 510, "training", context=512)) == 1  # the flag's rule
 
 
 # ---- settings that would do nothing, or something else ----------------------------------------

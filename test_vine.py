@@ -23,8 +23,8 @@ import rollout
 import train
 import value
 import vine
-from reward import (DataError, arith_dataset, extract_answer, gsm8k_reward, load_problems, read_jsonl, sft_target,
-                    split_of)
+from prompts import sft_target
+from reward import DataError, arith_dataset, extract_answer, gsm8k_reward, load_problems, read_jsonl, split_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -171,13 +171,13 @@ def test_mc_max_rollouts_is_a_cap(monkeypatch):
             [[True] * n for _ in prefixes]
 
     monkeypatch.setattr(rollout, "sample", fake_sample)
-    monkeypatch.setattr(rollout, "grade", lambda ep, ids, tok: float(ids[-1] == 3))
+    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: float(ids[-1] == 3))
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=2, pad_id=0)
     eps = [rollout.Episode([1], [3, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1]),
            rollout.Episode([1], [4, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1])]
     counts = vine.mc_values(None, eps, None, 2, sampling, max_k=3, increment=50, ci_width=0.05)
     # [1] and [1, 4] are mixed after 2: one more each, 3 in all; [1, 3] agrees and stops at 2
-    assert calls == [(3, 2), (2, 1)] and counts["mc_rollouts"] == 3 + 2 + 3 and counts["mc_states"] == 3
+    assert calls == [(3, 2), (2, 1)] and counts["mc_continuations"] == 3 + 2 + 3 and counts["mc_states"] == 3
 
 
 def test_more_rollouts_hand_computed():
@@ -1146,12 +1146,13 @@ def test_killed_run_resumes_to_the_same_numbers(tmp_path):
     assert wrong.returncode == 2 and "written with --algo 'vineppo', not 'grpo'" in wrong.stderr
 
 
-def test_first_rl_step_starts_from_a_clean_gradient(tmp_path):
-    """One sample per prompt: GRPO's advantages are all 0, and with no KL term the first iteration's
-    gradient must be exactly zero (the last SFT gradient must not leak into the first PPO step)."""
-    r = run_train("--algo", "grpo", "--out", str(tmp_path), *SMALL, "--samples-per-prompt", "1", "--kl-coef", "0",
-                  "--iterations", "1")
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_first_rl_step_starts_from_a_clean_gradient(tmp_path, monkeypatch):
+    """Advantages all 0 (GRPO's, zeroed here: a group of one, which --samples-per-prompt refuses, has them)
+    and no KL term: the first iteration's gradient must be exactly zero (the last SFT gradient must not leak
+    into the first PPO step)."""
+    monkeypatch.setattr(ppo, "group_advantages", lambda rewards, group, eps=1e-6: torch.zeros_like(rewards))
+    train.main(train.parse_args(["--algo", "grpo", "--out", str(tmp_path), *SMALL, "--kl-coef", "0",
+                                 "--iterations", "1"]))
     assert numbers(tmp_path)[1]["grad_norm"] == 0.0
 
 

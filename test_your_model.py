@@ -15,6 +15,7 @@ import transformers as hf
 
 import checkpoint
 import ppo
+import prompts
 import reward
 import rollout
 import start
@@ -51,9 +52,9 @@ def test_the_docs_table_of_answer_styles_is_how_they_grade():
 
 def test_sft_writes_the_chosen_style_and_the_steps_keep_the_answer_in_the_last():
     gold = "2+3=5\n5-1=4\n#### 4"
-    hashed, boxed = reward.sft_target(gold), reward.sft_target(gold, "boxed")
+    hashed, boxed = prompts.sft_target(gold), prompts.sft_target(gold, "boxed")
     assert hashed == "\n2+3=5\n5-1=4\n#### 4\n" and boxed == "\n2+3=5\n5-1=4\nThe answer is \\boxed{4}.\n"
-    assert reward.sft_target(gold, "boxed", chat=True) == "2+3=5\n5-1=4\nThe answer is \\boxed{4}."
+    assert prompts.sft_target(gold, "boxed", chat=True) == "2+3=5\n5-1=4\nThe answer is \\boxed{4}."
     assert [reward.gsm8k_reward(boxed, gold, s) for s in ("hash", "boxed")] == [0.0, 1.0]
     pieces = lambda text, boxed: [text[a:b] for a, b in zip(*(lambda s: (s, s[1:] + [len(text)]))(
         vine.step_starts(list(text), boxed)))]
@@ -64,15 +65,15 @@ def test_sft_writes_the_chosen_style_and_the_steps_keep_the_answer_in_the_last()
 
 
 def test_a_warning_when_no_response_holds_an_answer_the_grader_reads():
-    warn = lambda texts, style: reward.no_answer_warning(texts, style, False, "iteration 3")
+    warn = lambda texts, style: prompts.no_answer_warning(texts, style, False, "iteration 3")
     line = warn(["so 42.", "The answer is \\boxed{42}."], "hash")
     assert line.startswith("warning: iteration 3: none of the 2 responses") and "'#### N'" in line
     assert "--answer boxed" in line and "--prompt-template" in line and "--chat" in line and "\n" not in line
     assert "--answer hash" in warn(["#### 42"], "boxed")
     assert warn(["so 42.", "#### 41"], "hash") is None  # one readable answer, even a wrong one, is enough
     assert warn(["The answer is \\boxed{7}."], "boxed") is None
-    assert reward.no_answer_warning(["no number here"], "hash", True, "x") is not None  # MATH: nothing read
-    assert reward.no_answer_warning(["it is 3"], "hash", True, "x") is None  # MATH reads a last number
+    assert prompts.no_answer_warning(["no number here"], "hash", True, "x") is not None  # MATH: nothing read
+    assert prompts.no_answer_warning(["it is 3"], "hash", True, "x") is None  # MATH reads a last number
 
 
 # ---- prompts, chat turns and the ids that end them -------------------------------------------------
@@ -104,38 +105,38 @@ def problems():
 def test_prompt_template_chat_turn_and_style_reach_every_problem(chat_tok):
     tok, plain = chat_tok
     ps = problems()
-    start.pose_problems(settings(), plain, ps)  # the defaults: the data's own prompt, BOS + its tokens
-    assert ps[0]["prompt"] == "What is 2+3?\n" and ps[0]["prompt_ids"] == reward.encode_prompt(plain, "What is 2+3?\n")
+    prompts.pose_problems(settings(), plain, ps)  # the defaults: the data's own prompt, BOS + its tokens
+    assert ps[0]["prompt"] == "What is 2+3?\n" and ps[0]["prompt_ids"] == prompts.encode_prompt(plain, "What is 2+3?\n")
     assert ps[0]["style"] == "hash"
-    start.pose_problems(settings(prompt_template="Q: {question}\nPut it in \\boxed{}.", answer="boxed"), plain, ps)
+    prompts.pose_problems(settings(prompt_template="Q: {question}\nPut it in \\boxed{}.", answer="boxed"), plain, ps)
     assert ps[0]["prompt"] == "Q: What is 2+3?\nPut it in \\boxed{}." and ps[0]["style"] == "boxed"
-    start.pose_problems(settings(chat=True, system="Be brief."), tok, ps)
+    prompts.pose_problems(settings(chat=True, system="Be brief."), tok, ps)
     text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
     assert ps[0]["prompt"] == text and ps[0]["prompt_ids"] == tok(text, add_special_tokens=False).input_ids
     assert ps[0]["prompt_ids"][0] == tok.convert_tokens_to_ids("<|im_start|>")  # the template's ids, no BOS added
     with pytest.raises(reward.DataError, match="^--chat: the tokenizer of --model 'm' has no chat template"):
-        start.pose_problems(settings(chat=True), plain, problems())
+        prompts.pose_problems(settings(chat=True), plain, problems())
     with pytest.raises(reward.DataError, match="^--answer boxed: only for GSM8K-format"):
-        start.pose_problems(settings(answer="boxed"), plain, [{**problems()[0], "math": True}])
+        prompts.pose_problems(settings(answer="boxed"), plain, [{**problems()[0], "math": True}])
 
 
 def test_every_end_of_turn_id_stops_and_sft_ends_its_turn_in_the_first(chat_tok):
     tok, _ = chat_tok
     end = tok.convert_tokens_to_ids("<|im_end|>")
     model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[7, tok.eos_token_id]))
-    assert start.end_of_turn(tok) == end
-    assert start.stop_ids(tok, model, chat=True) == (end, tok.eos_token_id, 7)
-    assert start.stop_ids(tok, model, chat=False) == (tok.eos_token_id, 7)
+    assert prompts.end_of_turn(tok) == end
+    assert prompts.stop_ids(tok, model, chat=True) == (end, tok.eos_token_id, 7)
+    assert prompts.stop_ids(tok, model, chat=False) == (tok.eos_token_id, 7)
     model.generation_config.eos_token_id = 9  # an int, as most configs write it
-    assert start.stop_ids(tok, model, chat=False) == (tok.eos_token_id, 9)
+    assert prompts.stop_ids(tok, model, chat=False) == (tok.eos_token_id, 9)
     sampling = rollout.Sampling(0.6, 1.0, 10, eos_id=end, pad_id=0, eos_ids=(end, 2, 7))
     assert sampling.stops == (end, 2, 7)
     assert rollout.finish([5, 6, 7, 8, end], 10, sampling.stops) == ([5, 6, 7], True)  # any id ends it
     assert rollout.finish([5, 6, 8], 10, sampling.stops) == ([5, 6, 8], False)
     assert rollout.finish([5, 6, 7, 8], 10, 8) == ([5, 6, 7, 8], True)  # one id, as before
     ps = problems()
-    start.pose_problems(settings(chat=True, answer="boxed"), tok, ps)
-    ids, n_prompt = start.sft_examples(tok, ps, 1000, chat=True)[0]
+    prompts.pose_problems(settings(chat=True, answer="boxed"), tok, ps)
+    ids, n_prompt = prompts.sft_examples(tok, ps, 1000, chat=True)[0]
     assert ids[:n_prompt] == ps[0]["prompt_ids"] and ids[-1] == end
     assert tok.decode(ids[n_prompt:-1]) == "2+3=5\nThe answer is \\boxed{5}."
 

@@ -43,6 +43,7 @@ import torch
 import checkpoint
 import parallel
 import ppo
+import prompts
 import reward
 import rollout
 import settings
@@ -162,7 +163,7 @@ def main(cfg: Config):
     # under torchrun one process per GPU (its rank of world); else 0 of 1
     rank, world, device, autocast = start.start_process(cfg)
     tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
-    stops = start.stop_ids(tok, policy.model, cfg.chat)  # every id that ends a response, SFT's first
+    stops = prompts.stop_ids(tok, policy.model, cfg.chat)  # every id that ends a response, SFT's first
     sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
                                 max_new_tokens=cfg.max_new_tokens, eos_id=stops[0], eos_ids=stops,
                                 pad_id=rollout.pad_id(tok), stop=reward.STOP, tokenizer=tok,
@@ -180,7 +181,7 @@ def main(cfg: Config):
         problems = reward.draw_problems(train_set, cfg.prompts_per_iter, cfg.seed + it, rank, world)
         with autocast, parallel.whole(policy.model):  # FSDP: full weights while processes sample apart
             episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, sampling)
-        start.warn_if_unread(episodes, tok, f"iteration {it}")
+        prompts.warn_if_unread(episodes, tok, f"iteration {it}")
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
         # 4-5. old log-probs, and the values: VinePPO's MC estimates or a critic's
@@ -254,7 +255,7 @@ def evaluate(policy, problems: list[dict], cfg: Config, sampling, autocast, iter
         at_temperature = dataclasses.replace(sampling, temperature=cfg.eval_temperature)
         episodes = rollout.sample_episodes(policy, mine, cfg.eval_samples, at_temperature)
         greedy = rollout.sample_episodes(policy, mine, 1, dataclasses.replace(sampling, temperature=0.0))
-    start.warn_if_unread(episodes + greedy, sampling.tokenizer, f"evaluation at iteration {iteration}")
+    prompts.warn_if_unread(episodes + greedy, sampling.tokenizer, f"evaluation at iteration {iteration}")
     if parallel.rank() == 0:
         tok = sampling.tokenizer
         with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
@@ -282,7 +283,7 @@ def parse_args(argv=None) -> Config:
         shown = settings.help_text(f, PRESETS)  # the help and the default
         p.add_argument("--" + f.name.replace("_", "-"), default=None, help=shown, **kind)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
-    start.read_template_file(given, p.error)
+    prompts.read_template_file(given, p.error)
     math_data = reward.is_math_data(given.get("data", Config.data))
     tiny = given.get("model", Config.model) == "tiny"
     cfg = Config(**{**(MATH if math_data else {}), **(DEMO if tiny else {}), **given})
