@@ -44,7 +44,6 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import math_grader
 import parallel
 import reward
 import rollout
@@ -357,24 +357,6 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "
 GSM8K_TOKENS = dict(response=50825, mc=805769, straggler=3.01)
 
 
-class OutOfTime(BaseException):  # not an Exception: no `except Exception` inside train.py swallows it
-    pass
-
-
-@contextlib.contextmanager
-def time_box(seconds: float):
-    """OutOfTime raised in this (the main) thread after `seconds`."""
-    def ring(signum, frame):
-        raise OutOfTime(f"over its budget of {seconds:.0f} s")
-    previous = signal.signal(signal.SIGALRM, ring)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def gpu_report(a):
     """Every part in turn, each within its budget and the time left; OUT/gpu-report.json and .md after each."""
     mode = MODES["smoke" if a.smoke else "gpu"]
@@ -414,11 +396,13 @@ def run_part(ctx, name: str, fn):
         if budget < 1:
             part.update(status="skipped", error="the report's time was spent")
         else:
-            with time_box(budget):
+            with math_grader.time_limit(budget):  # SIGALRM, as MATH's grader bounds sympy
                 fn(ctx, result)
             part["status"] = "ok"
-    except (Exception, OutOfTime) as e:  # a partial report is still a report: the error, in one line
-        part.update(status="failed", error=f"{type(e).__name__}: {first_line(e)}")
+    except (Exception, math_grader.OutOfTime) as e:  # a partial report is still a report: the error, in one line
+        late = isinstance(e, math_grader.OutOfTime)  # not an Exception: no `except Exception` swallows it
+        part.update(status="failed", error=f"{type(e).__name__}: " +
+                    (f"over its budget of {budget:.0f} s" if late else first_line(e)))
         print(f"gpu-report: {name} failed: {part['error']}", flush=True)
     part.update(result, seconds=round(time.perf_counter() - t0, 2))
     del result

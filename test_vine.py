@@ -160,12 +160,12 @@ def test_more_rollouts_draws_what_the_reference_draws_on_every_outcome(k, increm
             min(max_k, reference_rollout_count(list(bits), k, increment, max_k, ci_width)), bits
 
 
-def test_mc_max_rollouts_is_a_cap(monkeypatch):
-    """--mc-rollouts 2 --mc-max-rollouts 3 --mc-increment 50: at most 3 continuations a state (52 before)."""
-    assert vine.more_rollouts([0, 1], 50, 3, 0.05) == 1 and vine.more_rollouts([1, 1], 50, 3, 0.05) == 0
+def fake_mc_sampling(monkeypatch):
+    """Two episodes of one prompt, and a fake `sample` whose continuation of a prefix [1, 3, ...] is right
+    (ends in 3) always, else every other one: (the calls it records, sampling, episodes)."""
     calls = []
 
-    def fake_sample(model, prefixes, n, budgets, sampling, **kw):  # prefix [1, 3, ...]: right iff it ends in 3
+    def fake_sample(model, prefixes, n, budgets, sampling, **kw):
         calls.append((len(prefixes), n))
         return [[[3 if p[-1] == 3 or j % 2 else 4] for j in range(n)] for p in prefixes], \
             [[True] * n for _ in prefixes]
@@ -175,6 +175,13 @@ def test_mc_max_rollouts_is_a_cap(monkeypatch):
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=2, pad_id=0)
     eps = [rollout.Episode([1], [3, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1]),
            rollout.Episode([1], [4, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1])]
+    return calls, sampling, eps
+
+
+def test_mc_max_rollouts_is_a_cap(monkeypatch):
+    """--mc-rollouts 2 --mc-max-rollouts 3 --mc-increment 50: at most 3 continuations a state (52 before)."""
+    assert vine.more_rollouts([0, 1], 50, 3, 0.05) == 1 and vine.more_rollouts([1, 1], 50, 3, 0.05) == 0
+    calls, sampling, eps = fake_mc_sampling(monkeypatch)
     counts = vine.mc_values(None, eps, None, 2, sampling, max_k=3, increment=50, ci_width=0.05)
     # [1] and [1, 4] are mixed after 2: one more each, 3 in all; [1, 3] agrees and stops at 2
     assert calls == [(3, 2), (2, 1)] and counts["mc_continuations"] == 3 + 2 + 3 and counts["mc_states"] == 3
@@ -276,18 +283,7 @@ def test_reused_responses_keep_the_advantage_unbiased(monkeypatch, k, group, opt
 
 
 def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
-    calls = []
-
-    def fake_sample(model, prefixes, n, budgets, sampling, **kw):  # prefix [1, 3, ...]: right iff it ends in 3
-        calls.append((len(prefixes), n))
-        return [[[3 if p[-1] == 3 or j % 2 else 4] for j in range(n)] for p in prefixes], \
-            [[True] * n for _ in prefixes]
-
-    monkeypatch.setattr(rollout, "sample", fake_sample)
-    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: float(ids[-1] == 3))
-    sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=2, pad_id=0)
-    eps = [rollout.Episode([1], [3, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1]),
-           rollout.Episode([1], [4, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1])]
+    calls, sampling, eps = fake_mc_sampling(monkeypatch)
     counts = vine.mc_values(None, eps, None, 3, sampling, max_k=9, increment=2, ci_width=0.05)
     # round 1: 3 states x 3; [1, 3] agrees and stops; [1] and [1, 4] are mixed, straight to 9: one call
     assert calls == [(3, 3), (2, 6)] and counts["mc_continuations"] == 3 + 9 + 9 and counts["mc_states"] == 3
