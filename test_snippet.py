@@ -55,19 +55,27 @@ def readme_section() -> tuple[list[str], str]:
     return re.findall(r"`(\w+\.py)`", named.group(1)), block.group(1)
 
 
-def test_the_readme_snippet_runs_from_the_files_it_names(tmp_path):
+def run_snippet(tmp_path, save_model) -> dict:
+    """The section's files copied alone into tmp_path, `save_model(folder)` writing the model there, the
+    block run as written between BEFORE and AFTER: what AFTER prints."""
     files, block = readme_section()
     assert len(block.strip().splitlines()) <= 16 and "math_grader.py" in files
     for name in files:
         shutil.copy(os.path.join(HERE, name), tmp_path / name)
-    checkpoint.build_tiny_model(str(tmp_path / "model"), seed=0)
+    save_model(str(tmp_path / "model"))
     (tmp_path / "run.py").write_text(BEFORE + block + AFTER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"},
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]  # e.g. a sibling the named files import and the README omits
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert os.path.dirname(out["where"]) == str(tmp_path)  # the copies ran, not the project's files
+    return out
+
+
+def check_step_advantages(out: dict):
+    """Rewards graded, a log-prob per response token, A_i on all of step i, sum_i A_i = R - V(s_0), and
+    every V_hat(s_i) a mean of K = 9 rewards; s_0, one prompt, valued once."""
     assert out["rewards"] == [1.0, 0.0, 0.0] and out["old_logp"] == out["lengths"]
     for starts, values, adv, n, reward in zip(out["starts"], out["values"], out["advantages"], out["lengths"],
                                               out["rewards"]):
@@ -77,4 +85,9 @@ def test_the_readme_snippet_runs_from_the_files_it_names(tmp_path):
         assert all(len(set(adv[lo:hi])) == 1 for lo, hi in zip(starts, bounds))  # A_i on all of step i
         assert sum(adv[lo] for lo in starts) == pytest.approx(reward - values[0])  # sum of A_i = R - V(s_0)
     assert len({values[0] for values in out["values"]}) == 1  # s_0, the same prompt: one estimate
+
+
+def test_the_readme_snippet_runs_from_the_files_it_names(tmp_path):
+    out = run_snippet(tmp_path, lambda folder: checkpoint.build_tiny_model(folder, seed=0))
+    check_step_advantages(out)
     assert 0 < out["values"][0][0] < 1 or 0 < out["values"][1][1] < 1  # not all 0 or 1: a real test of the sums

@@ -289,3 +289,15 @@ def test_the_real_model_trains_an_iteration_from_its_gguf_file(tmp_path):
     assert sample["prompt"].startswith("system\nYou are") and sample["prompt"].endswith("assistant\n")  # decoded, no specials
     tok, model = checkpoint.load_model(str(tmp_path / "checkpoint"), "cpu")  # a plain directory now
     assert type(model).__name__ == "LlamaForCausalLM" and tok.eos_token == "<|im_end|>"
+
+
+@needs_smollm2
+def test_the_readme_snippet_runs_on_the_real_model(tmp_path):
+    """The README's block, as test_snippet runs it, on SmolLM2 saved as a plain directory from its .gguf."""
+    import test_snippet
+
+    def save(folder):
+        tok, model = checkpoint.load_model(smollm2_gguf(), "cpu")
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+    test_snippet.check_step_advantages(test_snippet.run_snippet(tmp_path, save))
