@@ -183,10 +183,8 @@ def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, sampling:
     if not forkable(cache):  # each prefix encoded afresh: correct for any cache, slower
         return fresh_decode(model, prefixes, k, budget, sampling)
     ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id, fork_method)
-    # synced_gpus=False: each process decodes on its own (with FSDP, HF would lock processes in step)
     out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=budget,
-                         eos_token_id=list(sampling.stops), pad_token_id=sampling.eos_id, stop_strings=sampling.stop,
-                         tokenizer=sampling.tokenizer, synced_gpus=False, **decoding(sampling))
+                         **decoding(sampling))
     return out[:, ids.shape[1]:].tolist()
 
 
@@ -237,9 +235,14 @@ def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None
 
 
 def decoding(sampling: Sampling) -> dict:
-    # top_k=0: generate's default top_k=50 would sample from a distribution the log-probs do not model
-    return dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) \
-        if sampling.temperature > 0 else dict(do_sample=False)
+    """`generate`'s settings for every sampling call: any stop id or the stop string ends a row; synced_gpus
+    False: each process decodes on its own (with FSDP, HF would lock processes in step); top_k=0: generate's
+    default top_k=50 would sample from a distribution the log-probs do not model."""
+    stopping = dict(eos_token_id=list(sampling.stops), pad_token_id=sampling.eos_id, stop_strings=sampling.stop,
+                    tokenizer=sampling.tokenizer, synced_gpus=False)
+    if sampling.temperature > 0:
+        return dict(stopping, do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+    return dict(stopping, do_sample=False)
 
 
 def forkable(cache) -> bool:
@@ -256,8 +259,6 @@ def fresh_decode(model, prefixes, k: int, budget: int, sampling: Sampling):
         same = [j for j, p in enumerate(prefixes) if len(p) == length]
         ids = torch.tensor([prefixes[j] for j in same for _ in range(k)], device=device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
-                             eos_token_id=list(sampling.stops), pad_token_id=sampling.eos_id,
-                             stop_strings=sampling.stop, tokenizer=sampling.tokenizer, synced_gpus=False,
                              **decoding(sampling))[:, length:].tolist()
         for i, j in enumerate(same):
             new[j] = out[i * k:(i + 1) * k]
