@@ -155,6 +155,8 @@ def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict,
                   mc_tokens=mc_counts["mc_tokens"], tokens_generated=n_tokens + mc_counts["mc_tokens"])
     means = {"train_reward": sum(ep.reward for ep in episodes) / len(episodes), **stats,
              "response_tokens": n_tokens / len(episodes), "lr": policy.scheduler.get_last_lr()[0],
+             # the spread the update's whitening divides by (before it; this process's tokens)
+             "advantage_std": torch.cat([ep.advantages for ep in episodes]).std().item(),
              **diagnostics}
     times = {**watch, "seconds": sum(watch[phase] for phase in TRAINING)}
     return merge_metrics(gather((counts, means, times)))
