@@ -155,7 +155,7 @@ def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict,
                   mc_tokens=mc_counts["mc_tokens"], tokens_generated=n_tokens + mc_counts["mc_tokens"])
     means = {"train_reward": sum(ep.reward for ep in episodes) / len(episodes), **stats,
              "response_tokens": n_tokens / len(episodes), "lr": policy.scheduler.get_last_lr()[0],
-             # the spread the update's whitening divides by (before it; this process's tokens)
+             # the advantages' spread before the update whitens them (this process's tokens)
              "advantage_std": torch.cat([ep.advantages for ep in episodes]).std().item(),
              **diagnostics}
     times = {**watch, "seconds": sum(watch[phase] for phase in TRAINING)}

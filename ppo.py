@@ -24,22 +24,13 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-WHITENING = ("minibatch", "iteration", "none")  # the advantages' statistics the update divides by
-
-
-def whitening_moments(x, mask, eps: float = 1e-8, all_reduce=lambda t: t):
-    """The mean and 1 / sqrt(var + eps) of the masked entries of all processes, unbiased var (the
-    reference's masked_whiten in trainers/utils.py, as PPOTrainer._training_step calls it)."""
+def masked_whiten(x, mask, eps: float = 1e-8, all_reduce=lambda t: t):
+    """(x - mean) / sqrt(var + eps) over the masked entries of all processes, unbiased var (the reference's
+    masked_whiten in trainers/utils.py, as PPOTrainer._training_step calls it: distributed, unbiased)."""
     total, n = all_reduce(torch.stack([(x * mask).sum(), mask.sum()]))
     mean = total / n.clamp(min=1)
     var = all_reduce(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
-    return mean, torch.rsqrt(var + eps)
-
-
-def masked_whiten(x, mask, eps: float = 1e-8, all_reduce=lambda t: t, moments=None):
-    """(x - mean) / sqrt(var + eps) on the masked entries: their own moments, or those given."""
-    mean, rstd = moments if moments is not None else whitening_moments(x, mask, eps, all_reduce)
-    return (x - mean) * rstd * mask
+    return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
 def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
@@ -152,17 +143,11 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
 
 def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int, minibatch: int,
                micro_batch: int, temperature: float, clip: float, kl_coef: float, value_clip: float,
-               move_policy: bool, whiten: str, pad_id: int, device, autocast) -> dict:
+               move_policy: bool, whiten: bool, pad_id: int, device, autocast) -> dict:
     """`epochs` passes over shuffled minibatches, a step per minibatch and learner; returns mean statistics.
     Each loss is a mean over the whole minibatch (all its micro-batches, all processes): a micro-batch adds
-    its sum over the minibatch's count, so --micro-batch and the number of processes change no gradient.
-    whiten: the advantages to mean 0, std 1 with each minibatch's statistics (the reference's), with the
-    whole iteration's (every response token of every process), or "none"."""
+    its sum over the minibatch's count, so --micro-batch and the number of processes change no gradient."""
     policy_stats, critic_stats, grad_norms, counts = [], [], [], collections.Counter()
-    moments = None
-    if whiten == "iteration":
-        adv = torch.cat([ep.advantages for ep in episodes]).to(device)  # [all response tokens]
-        moments = whitening_moments(adv, torch.ones_like(adv), all_reduce=parallel.all_reduce_sum)
     learners = [policy] + ([critic] if critic is not None else [])
     for learner in learners:
         learner.model.train()
@@ -171,9 +156,8 @@ def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int
         for lo in range(0, len(order), minibatch):
             batch = [episodes[i] for i in order[lo: lo + minibatch]]
             ids, mask, fields = collate(batch, pad_id, device)
-            if whiten != "none":  # minibatch: its statistics, all processes' shares together
-                fields["adv"] = masked_whiten(fields["adv"], fields["act"], all_reduce=parallel.all_reduce_sum,
-                                              moments=moments)
+            if whiten:  # with the statistics of the whole minibatch, all processes' shares together
+                fields["adv"] = masked_whiten(fields["adv"], fields["act"], all_reduce=parallel.all_reduce_sum)
             n = minibatch_counts(fields, critic)
             policy_shares, critic_shares = [], []
             for m in range(0, len(batch), micro_batch):

@@ -682,48 +682,15 @@ def test_grpo_zero_variance_group_gets_zero_advantage_and_gradient(monkeypatch):
     seen, loss = [], ppo.ppo_loss
     monkeypatch.setattr(ppo, "ppo_loss", lambda logp, old, ref, adv, act, *a, **kw: seen.append((adv, act)) or
                         loss(logp, old, ref, adv, act, *a, **kw))
-    for whiten, group_a_is_zero in [("none", True), ("minibatch", False)]:
+    for whiten, group_a_is_zero in [(False, True), (True, False)]:
         seen.clear()
         run_update(copy.deepcopy(model), eps, whiten)
         adv, act = seen[0]  # rows in shuffled order; the all-correct group's responses are the 3-token ones
         zero = all(adv[i][act[i] > 0].abs().max() < 1e-6 for i in range(len(eps)) if act[i].sum() == 3)
         assert zero == group_a_is_zero
     before = [p.detach().clone() for p in model.parameters()]
-    stats = run_update(model, eps[:2], whiten="none")  # only the all-correct group: no gradient at all
+    stats = run_update(model, eps[:2], whiten=False)  # only the all-correct group: no gradient at all
     assert stats["grad_norm"] == 0.0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-
-
-def test_whitening_by_minibatch_iteration_or_none(monkeypatch):
-    """--whiten: each minibatch's advantages scaled with its own mean and std, with the whole iteration's,
-    or left as they are. Four one-token responses of advantages 0, 2, 4, 10 in minibatches of two
-    (hand-computed: the iteration's mean 4, unbiased std sqrt(56 / 3); a pair's mean and std its own)."""
-    model = tiny_llama()
-    eps = scored_episodes(model, [[1.0, 0.0, 1.0, 0.0]], [[1, 1, 1, 1]])
-    for ep, a in zip(eps, [0.0, 2.0, 4.0, 10.0]):
-        ep.advantages = torch.tensor([a])
-    seen, loss = [], ppo.ppo_loss
-    monkeypatch.setattr(ppo, "ppo_loss", lambda logp, old, ref, adv, act, *a, **kw: seen.append(adv[act > 0])
-                        or loss(logp, old, ref, adv, act, *a, **kw))
-    for whiten in ppo.WHITENING:
-        seen.clear()
-        torch.manual_seed(0)  # the same shuffled pairs each time
-        learner = ppo.Learner(copy.deepcopy(model), 1e-2, 10, 0, False, "cpu")
-        ppo.ppo_update(eps, learner, None, epochs=1, minibatch=2, micro_batch=2, temperature=1.0, clip=0.2,
-                       kl_coef=0.0, value_clip=0.2, move_policy=True, whiten=whiten, pad_id=0, device="cpu",
-                       autocast=contextlib.nullcontext())
-        torch.manual_seed(0)
-        order = [[0.0, 2.0, 4.0, 10.0][i] for i in torch.randperm(4).tolist()]  # ppo_update's shuffle
-        pairs = [order[:2], order[2:]]
-        for got, pair in zip(seen, pairs):
-            if whiten == "none":
-                expected = pair
-            elif whiten == "iteration":
-                expected = [(a - 4.0) / (56 / 3) ** 0.5 for a in pair]
-            else:  # two values: mean in the middle, unbiased std |a - b| / sqrt(2)
-                expected = [(a - sum(pair) / 2) / (abs(pair[0] - pair[1]) / 2 ** 0.5) for a in pair]
-            assert got.tolist() == pytest.approx(expected, abs=1e-5), (whiten, pair)
-    # the default: the reference's per-minibatch whitening; GRPO's group-normalised advantages untouched
-    assert [train.parse_args(["--algo", a]).whiten for a in ppo.ALGOS] == ["minibatch"] * 3 + ["none"]
 
 
 SPLIT_LENGTHS = [[2, 7, 3], [5, 1, 4]]  # one minibatch of six responses; halves of 12 and 10 tokens
@@ -758,7 +725,7 @@ def minibatch_gradients(eps, head, micro_batch):
     try:
         stats = ppo.ppo_update(eps, policy, critic, epochs=1, minibatch=len(eps), micro_batch=micro_batch,
                                temperature=1.0, clip=0.2, kl_coef=0.1, value_clip=0.2, move_policy=True,
-                               whiten="minibatch", pad_id=0, device=torch.device("cpu"),
+                               whiten=True, pad_id=0, device=torch.device("cpu"),
                                autocast=contextlib.nullcontext())
     finally:
         ppo.optimizer_step = step
@@ -814,7 +781,7 @@ def test_dropout_only_inside_updates():
     model = tiny_llama(dropout=0.5)
     eps = scored_episodes(model.eval(), [[1.0, 0.0]], [[4, 5]])
     ppo.assign_advantages("grpo", eps, 1.0, 1.0, 1.0)
-    run_update(model, eps, whiten="minibatch")
+    run_update(model, eps, whiten=True)
     assert not model.training
     ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in eps], 0)
     first, second = (rollout.token_logprobs(model, ids, mask, 1.0)[0] for _ in range(2))
@@ -1036,7 +1003,7 @@ def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1, 2]
     for key in ("train_reward", "eval_accuracy", "eval_greedy_accuracy", "kl", "policy_loss", "clipfrac",
-                "approx_kl", "tokens_generated", "seconds", *parallel.PHASES):
+                "approx_kl", "advantage_std", "tokens_generated", "seconds", *parallel.PHASES):
         assert key in rows[-1]
     assert rows[1]["mc_states"] > 0 and (tmp_path / "samples.jsonl").exists()
     assert all(row["mc_continuations"] == 2 * row["mc_states"] for row in rows[1:])  # K = 2 per state
@@ -1224,7 +1191,6 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
     (["--value-head", "scalar"], "--value-head 'scalar': only ppo and tppo have a critic, not vineppo"),
     (["--value-head", "tracking", "--algo", "grpo"], "--value-head 'tracking': only ppo and tppo have a critic"),
     (["--value-head", "mlp", "--algo", "ppo"], "--value-head 'mlp': expected one of scalar, tracking, bce"),
-    (["--whiten", "batch"], "--whiten 'batch': expected one of minibatch, iteration, none"),
     (["--algo", "a2c"], "--algo 'a2c': expected one of vineppo, ppo, tppo, grpo"),
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
     (["--mc-max-rollouts", "3"], "--mc-max-rollouts 3: below --mc-rollouts 4 (round 1)"),

@@ -237,7 +237,7 @@ def first_ratio(model) -> float:
     ppo.assign_advantages("grpo", eps, 1.0, 1.0, 1.0)
     learner = ppo.Learner(model, 1e-3, 10, 0, False, "cpu")
     stats = ppo.ppo_update(eps, learner, None, epochs=1, minibatch=4, micro_batch=4, temperature=1.0, clip=0.2,
-                           kl_coef=0.0, value_clip=0.2, move_policy=True, whiten="none", pad_id=0, device="cpu",
+                           kl_coef=0.0, value_clip=0.2, move_policy=True, whiten=False, pad_id=0, device="cpu",
                            autocast=contextlib.nullcontext())
     return stats["ratio"]
 

@@ -113,9 +113,6 @@ class Config:
     lr: float = arg(1e-6, "policy learning rate (AdamW)", LR)
     warmup: float = arg(0.03, "fraction of steps in log-shaped warm-up, then linear decay to 0", between(0, 1))
     clip: float = arg(0.2, "PPO clip range epsilon", above(0))
-    whiten: str = arg("", "the advantages scaled to mean 0, std 1 before the update: minibatch (its own "
-                          "statistics, the reference's) | iteration (the whole iteration's) | none (default: "
-                          "minibatch, grpo: none)", one_of("", *ppo.WHITENING))
     kl_coef: float = arg(1e-4, "coefficient of the k3 KL to the reference model, in the loss", at_least(0))
     temperature: float = arg(0.6, "sampling temperature (also divides the logits of every log-prob)",
                              at_least(1e-3))  # lower: logits / temperature overflow float32
@@ -198,12 +195,13 @@ def main(cfg: Config):
                                        cfg.forward_batch_tokens)
         watch.lap("time_reference")
         # 8. epochs of clipped PPO on shuffled minibatches (during --critic-warmup only the critic
-        #    learns), the advantages whitened (--whiten)
+        #    learns); GRPO's advantages are already normalised per group: whitening again would
+        #    re-centre them
         stats = ppo.ppo_update(episodes, policy, critic, epochs=cfg.epochs,
                                minibatch=cfg.minibatch // world, micro_batch=cfg.micro_batch,
                                temperature=cfg.temperature, clip=cfg.clip, kl_coef=cfg.kl_coef,
                                value_clip=cfg.value_clip, move_policy=it > cfg.critic_warmup,
-                               whiten=cfg.whiten, pad_id=sampling.pad_id, device=device,
+                               whiten=cfg.algo != "grpo", pad_id=sampling.pad_id, device=device,
                                autocast=autocast)
         watch.lap("time_update")
         # 9. evaluate, log, checkpoint: every N iterations (N = 0: never) and at the last one
@@ -315,8 +313,6 @@ def parse_args(argv=None) -> Config:
         p.error("--samples-per-prompt 1: GRPO's advantage is a reward less its group's mean, "
                 "always 0 in a group of one; give at least 2")
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
-    # GRPO's advantages are normalised per group already: whitening again would re-centre them
-    cfg.whiten = cfg.whiten or ("none" if cfg.algo == "grpo" else "minibatch")
     if os.environ.get("RANK", "0") == "0":  # torchrun: one process says it
         settings.warn_ignored(cfg, given)
     return cfg
