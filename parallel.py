@@ -156,7 +156,7 @@ def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict,
     means = {"train_reward": sum(ep.reward for ep in episodes) / len(episodes), **stats,
              "response_tokens": n_tokens / len(episodes), "lr": policy.scheduler.get_last_lr()[0],
              # the advantages' spread before the update whitens them (this process's tokens)
-             "advantage_std": torch.cat([ep.advantages for ep in episodes]).std().item(),
+             "advantage_std": torch.cat([ep.advantages for ep in episodes]).std(correction=0).item(),
              **diagnostics}
     times = {**watch, "seconds": sum(watch[phase] for phase in TRAINING)}
     return merge_metrics(gather((counts, means, times)))
