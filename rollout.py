@@ -122,11 +122,14 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
     was_training = model.training
     model.eval()  # no dropout while sampling; restored on return
     conts, done = [None] * len(prefixes), [None] * len(prefixes)
-    for chunk in least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes), sampling.max_batch_tokens,
-                               batch_overhead(model)):
+    chunks = least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes), sampling.max_batch_tokens,
+                           batch_overhead(model))
+    allocate = reused_buffers(max(len(chunk) * k * (max(len(prefixes[j]) - 1 + budgets[j] for j in chunk))
+                                  for chunk in chunks))  # the largest fork's cached positions (rows x columns)
+    for chunk in chunks:
         budget = max(budgets[j] for j in chunk)
         new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
-                              sampling, fork_method) if budget > 0 else [[]] * (len(chunk) * k)
+                              sampling, fork_method, allocate) if budget > 0 else [[]] * (len(chunk) * k)
         for i, j in enumerate(chunk):
             results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer, sampling.stop)
                        for seq in new[i * k:(i + 1) * k]]
@@ -136,9 +139,10 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
 
 
 def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
-         method: str | None = None):
+         method: str | None = None, allocate=None):
     """Reset to each prefix (row rows[j] of `cache`) k times: ids [n*k, W], mask, and a cache of W-1 columns,
-    by "copy" or "gather" (default: gather on a GPU; the two give equal buffers). What a reader needs:
+    by "copy" (into buffers from `allocate`, see reused_buffers, or new ones) or "gather" (default: gather on a
+    GPU, whose caching allocator reuses memory itself; the two give equal buffers). What a reader needs:
     - left padding: every prefix ends in column W-1, so all forks decode their next token in the same column;
     - W-1 cached columns: `generate` feeds the last prefix token itself (its logits pick the first new token),
       so the cache holds the columns before it, each prefix's keys/values right-aligned, zeros to their left;
@@ -160,29 +164,30 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     cols = torch.arange(capacity, device=device)[None, :] - starts  # fork i's column c reads c - starts[i]
     source_rows = torch.tensor(sources, device=device)[:, None, None]
 
-    def buffer(x):  # [n*k, H, capacity, D]: each fork's columns of x, zeros before them (masked, but finite)
+    def buffer(x, slot):  # [n*k, H, capacity, D]: each fork's columns of x, zeros before them (masked, but finite)
         if method == "gather":  # one indexed read and one fill: a few large GPU kernels per layer
             heads = torch.arange(x.shape[1], device=device)[None, :, None]
             buf = x[source_rows, heads, cols.clamp(0, x.shape[2] - 1)[:, None, :]].to(dtype)
             return buf.masked_fill_((cols < 0)[:, None, :, None], 0)
-        buf = x.new_empty(len(ends), x.shape[1], capacity, x.shape[3], dtype=dtype)
+        shape = (len(ends), x.shape[1], capacity, x.shape[3])
+        buf = allocate(slot, shape, dtype, device) if allocate else x.new_empty(shape, dtype=dtype)
         for i, (row, e) in enumerate(zip(sources, ends)):  # block copies: on a CPU far faster than a gather
             buf[i, :, : width - e] = 0  # 0 * NaN would leak through the mask
             buf[i, :, width - e: width - 1] = x[row, :, : e - 1]
         return buf
 
     forked = DynamicCache()
-    for keys, values, *_ in cache:  # each [B, H, L, D]
-        forked.layers.append(PreallocatedLayer(buffer(keys), buffer(values), width - 1))
+    for layer, (keys, values, *_) in enumerate(cache):  # each [B, H, L, D]
+        forked.layers.append(PreallocatedLayer(buffer(keys, 2 * layer), buffer(values, 2 * layer + 1), width - 1))
     return ids, mask, forked
 
 
 def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, sampling: Sampling,
-                    fork_method: str | None = None):
-    """New ids of k forks of each prefix by HF `generate`; the fork buffers die on return (one batch alive)."""
+                    fork_method: str | None = None, allocate=None):
+    """New ids of k forks of each prefix by HF `generate` (one batch's buffers alive, reused by the next)."""
     if not forkable(cache):  # each prefix encoded afresh: correct for any cache, slower
         return fresh_decode(model, prefixes, k, budget, sampling)
-    ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id, fork_method)
+    ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id, fork_method, allocate)
     out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=budget,
                          **decoding(sampling))
     return out[:, ids.shape[1]:].tolist()
@@ -263,6 +268,22 @@ def fresh_decode(model, prefixes, k: int, budget: int, sampling: Sampling):
         for i, j in enumerate(same):
             new[j] = out[i * k:(i + 1) * k]
     return [row for rows in new for row in rows]
+
+
+def reused_buffers(positions: int):
+    """fork's allocator for the batches of one `sample` call: buffer `slot` (a layer's keys or values) of each
+    batch is a view of one flat tensor, made at the first fork for `positions` cached positions, the largest
+    batch's. A CPU pays for a fresh page the first time it is touched (~0.5 s a GB here), and buffers this large
+    go back to the OS when freed, so each new batch paid again: reuse took fork-batch from 1.17x to 1.08x
+    decode-only in bench.py (docs/speed-and-memory.md). Peak memory is unchanged: the largest batch's."""
+    flat = {}
+
+    def allocate(slot, shape, dtype, device):  # shape [rows, H, columns, D]
+        size = shape[0] * shape[1] * shape[2] * shape[3]
+        if slot not in flat or flat[slot].numel() < size or flat[slot].dtype != dtype:
+            flat[slot] = torch.empty(max(size, positions * shape[1] * shape[3]), dtype=dtype, device=device)
+        return flat[slot][:size].view(shape)
+    return allocate
 
 
 class PreallocatedLayer(DynamicLayer):

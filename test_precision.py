@@ -252,6 +252,44 @@ def test_two_batches_of_forks_peak_like_one(model):
     assert one > buffers and two < one + buffers / 4
 
 
+def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
+    """Three batches of forks (prefixes 10 and 13 left-padded to 13, 19 and 22 to 22, 26 alone) write into
+    one flat tensor per layer's keys and values, made once for the largest batch; poisoned with NaN before
+    each fork, they sample what fresh buffers do (T = 1, same seed): no column is read that this batch did
+    not write, its padding included."""
+    seqs = random_seqs([30, 24, 26])
+    ids, mask = rollout.pad_right(seqs, 0)
+    rows, ends = [1, 2, 0, 1, 0], [10, 13, 19, 22, 26]
+    prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
+    with torch.no_grad():
+        cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)[1]
+    sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=40, pad_id=0,
+                                max_batch_tokens=6 * 31)  # two prefixes x k = 3 rows, at most 31 columns
+    monkeypatch.setattr(rollout, "batch_overhead", lambda _: 10 ** 6)  # the fewest batches: three
+
+    def draw(reused_buffers):
+        monkeypatch.setattr(rollout, "reused_buffers", reused_buffers)
+        torch.manual_seed(0)
+        return rollout.sample(model, prefixes, 3, [6] * 5, sampling, cache=cache, rows=rows)
+
+    made, storage, reuse = [], set(), rollout.reused_buffers
+
+    def poisoned(positions):
+        assert positions == 6 * (22 - 1 + 6)  # the largest batch: 6 rows x (prefix - 1 + budget)
+        allocate = reuse(positions)
+
+        def traced(slot, shape, dtype, device):
+            buf = allocate(slot, shape, dtype, device).fill_(float("nan"))
+            made.append(shape[0] * shape[2]), storage.add((slot, buf.untyped_storage().data_ptr()))
+            return buf
+        return traced
+
+    fresh, poison = draw(lambda positions: None), draw(poisoned)
+    assert poison == fresh and len({tuple(c) for cs in fresh[0] for c in cs}) > 10  # of 15 draws
+    assert len(made) == 3 * 2 * model.config.num_hidden_layers and len(set(made)) == 3  # three batches
+    assert len(storage) == 2 * model.config.num_hidden_layers  # one storage per slot, whatever the batch
+
+
 # ---- G. the gather fork equals the copying one ----------------------------------------------
 
 @pytest.mark.parametrize("autocast", [False, True])
