@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import batching
 import math_grader
 import parallel
 import reward
@@ -305,9 +306,9 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
         rate = f"{n_tokens / med[name]:>10.1f}" if name != "forward" else f"{'':>10}"
         print(f"{name:<12} {med[name]:>10.3f} {rate} {med[name] / med.get('fork-batch', med[name]):>13.2f}")
     print(f"(forward: the log-prob pass over {a.trajectories} x {a.traj_len} tokens that every method needs anyway)")
-    cuts = rollout.least_padding(list(map(len, prefixes)), budgets, [a.k] * len(prefixes), a.max_batch_tokens,
-                                 rollout.batch_overhead(model))
-    padding = rollout.padding_fraction(cuts, list(map(len, prefixes)), budgets, [a.k] * len(prefixes))
+    cuts = batching.least_padding(list(map(len, prefixes)), budgets, [a.k] * len(prefixes), a.max_batch_tokens,
+                                 batching.batch_overhead(model))
+    padding = batching.padding_fraction(cuts, list(map(len, prefixes)), budgets, [a.k] * len(prefixes))
     print(f"padding: fork-batch and fork-gather {padding:.1%} of the tokens of their {len(cuts)} batches; "
           "naive, fork-each and decode-only none (one prefix length per batch)")
     print(f"total benchmark time {time.perf_counter() - start:.1f} s")

@@ -46,6 +46,7 @@ import time
 
 import torch
 
+import batching
 import ppo
 import rollout
 import settings
@@ -317,7 +318,7 @@ def mc_settings(a, tok, policy, sampling, problems, out):
     # the log-prob pass's KV cache of each batch, once: forks only read it
     logprob_pass = lambda chunk: rollout.old_logprobs(policy, chunk, sampling.temperature, sampling.pad_id,
                                                       keep_cache=True)
-    caches = [(chunk, logprob_pass(chunk)) for chunk in rollout.group_chunks(episodes, 32768)]
+    caches = [(chunk, logprob_pass(chunk)) for chunk in batching.group_chunks(episodes, 32768)]
     rows = {}
     for name, options in settings_to_compare(a.mc_k).items():
         runs = []

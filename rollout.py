@@ -2,9 +2,9 @@
 old log-probs holds every prefix's keys and values, so a state s_i is reset to by copying its columns of
 that KV cache, K times, into buffers with room to decode on (fork), and `generate` samples on from there.
 
-Needs: reward.py (a text's reward). Algorithm: Sampling, Episode, sample_episodes, sample, fork, old_logprobs,
-reference_logprobs; below the engineering line: the stop rule, caches that cannot be forked, the cache buffers,
-log-softmax in pieces and the batching, which a first reading may skip."""
+Needs: reward.py (a text's reward), batching.py (batches of least padding). Algorithm: Sampling, Episode,
+sample_episodes, sample, fork, old_logprobs, reference_logprobs; below the engineering line: the stop rule,
+caches that cannot be forked, the cache buffers and log-softmax in pieces, which a first reading may skip."""
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +12,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+import batching
 import reward
 
 LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax: at a 32k vocabulary, 128 MiB per fp32 copy
@@ -110,8 +111,8 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
     budgets = [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
     if cache is None:  # encode the prefixes, once each, in the batches they will decode in; then fork
         conts, done = [None] * len(prefixes), [None] * len(prefixes)
-        for part in least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
-                                  sampling.max_batch_tokens, batch_overhead(model)):
+        for part in batching.least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
+                                           sampling.max_batch_tokens, batching.batch_overhead(model)):
             ids, mask = pad_right([prefixes[j] for j in part], sampling.pad_id, device)
             part_cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
             c, d = sample(model, [prefixes[j] for j in part], k, [budgets[j] for j in part], sampling,
@@ -122,8 +123,8 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
     was_training = model.training
     model.eval()  # no dropout while sampling; restored on return
     conts, done = [None] * len(prefixes), [None] * len(prefixes)
-    chunks = least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes), sampling.max_batch_tokens,
-                           batch_overhead(model))
+    chunks = batching.least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
+                                    sampling.max_batch_tokens, batching.batch_overhead(model))
     allocate = reused_buffers(max(len(chunk) * k * (max(len(prefixes[j]) - 1 + budgets[j] for j in chunk))
                                   for chunk in chunks))  # the largest fork's cached positions (rows x columns)
     for chunk in chunks:
@@ -205,7 +206,7 @@ def old_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int
 def reference_logprobs(ref, episodes: list[Episode], temperature: float, pad_id: int, batch_tokens: int):
     """Set ep.ref_logp ([T]) under the frozen reference model, once per iteration (as the reference's
     PPOTrainer.step does before its epochs): the KL term's target does not move within an iteration."""
-    for chunk in group_chunks(episodes, batch_tokens):
+    for chunk in batching.group_chunks(episodes, batch_tokens):
         for ep, lp in zip(chunk, response_logprobs(ref, chunk, temperature, pad_id)[0]):
             ep.ref_logp = lp
 
@@ -219,7 +220,7 @@ def response_logprobs(model, episodes: list[Episode], temperature: float, pad_id
     return per_response(logp, episodes), cache
 
 
-# ---- engineering: the stop rule, caches that cannot fork, buffers, log-softmax, batching (skip on a first reading)
+# ---- engineering: the stop rule, caches that cannot fork, buffers, log-softmax (skip on a first reading)
 
 def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None = None):
     """(row cut after its first EOS, to its budget, and before `stop` then EOS, ends in EOS): text after the
@@ -339,65 +340,3 @@ def per_response(logp, episodes):
     """Row slices of a [B, L-1] tensor: one [T] tensor per episode (its response tokens)."""
     return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
             for i, ep in enumerate(episodes)]
-
-
-def least_padding(lengths: list[int], budgets: list[int], rows: list[int], max_tokens: int, overhead: int = 0):
-    """Batches (lists of item indices) of least padding plus `overhead` tokens per batch (fewest batches on a
-    tie): item j is rows[j] rows of lengths[j] tokens and room for budgets[j] new ones; a batch costs its rows
-    x (longest length + largest budget) tokens, at most max_tokens (an item over it goes alone). A dynamic
-    programme over the cut points of the items sorted by length: best[i], the cheapest batching of the
-    first i, is best[j] plus the cost of batch j..i-1 at the best j."""
-    order = sorted(range(len(lengths)), key=lambda j: (lengths[j], budgets[j]))
-    best, cut = [(0, 0)] + [None] * len(order), [0] * (len(order) + 1)  # best[i]: (tokens, batches)
-    for i in range(1, len(order) + 1):
-        budget = n_rows = filled = 0
-        for j in range(i - 1, -1, -1):  # the last batch is order[j:i]: it only grows as j falls
-            item = order[j]
-            budget, n_rows = max(budget, budgets[item]), n_rows + rows[item]
-            filled += rows[item] * (lengths[item] + budgets[item])
-            tokens = n_rows * (lengths[order[i - 1]] + budget)
-            if tokens > max_tokens and j < i - 1:
-                break
-            cost = (best[j][0] + tokens - filled + overhead, best[j][1] + 1)
-            if best[i] is None or cost < best[i]:
-                best[i], cut[i] = cost, j
-    batches, i = [], len(order)
-    while i:
-        batches.append(order[cut[i]:i])
-        i = cut[i]
-    return batches[::-1]
-
-
-def padding_fraction(batches, lengths: list[int], budgets: list[int], rows: list[int]) -> float:
-    """The share of padding in the tokens of least_padding's batches (a batch's rows x its widest)."""
-    total = sum(sum(rows[j] for j in b) * (max(lengths[j] for j in b) + max(budgets[j] for j in b))
-                for b in batches)
-    return 1 - sum(r * (n + b) for r, n, b in zip(rows, lengths, budgets)) / total if total else 0.0
-
-
-def batch_overhead(model) -> int:
-    """What one more generate batch costs, in padded positions: a decoding step reads every weight once per
-    batch, and each cached position's keys and values once per row and layer, so a batch costs what
-    params / (2 layers x key/value width) padded positions do (bench.py's 58M model: 7,089; fitted to its
-    decoding times on a CPU: 8,055)."""
-    config = model.config
-    heads = config.num_attention_heads
-    width = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * width
-    return sum(p.numel() for p in model.parameters()) // (2 * config.num_hidden_layers * kv_width)
-
-
-def group_chunks(episodes, max_tokens: int, overhead: int | None = None):
-    """Episodes in batches of at most max_tokens (rows x longest) and least padding plus `overhead` tokens
-    per batch (least_padding; None: the fewest batches, as each is a log-prob pass and, for VinePPO, its
-    own MC sample calls), never splitting a prompt's samples (identical states meet); in episode order."""
-    members = {}  # group -> its episodes' indices
-    for e, ep in enumerate(episodes):
-        members.setdefault(ep.group, []).append(e)
-    groups = list(members.values())
-    lengths = [max(len(episodes[e].prompt_ids) + len(episodes[e].response_ids) for e in g) for g in groups]
-    if overhead is None:  # more than any batching's padding: a batch fewer always wins
-        overhead = 1 + max(lengths, default=0) * len(episodes)
-    batches = least_padding(lengths, [0] * len(groups), list(map(len, groups)), max_tokens, overhead)
-    for indices in sorted(sorted(e for g in batch for e in groups[g]) for batch in batches):
-        yield [episodes[e] for e in indices]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import batching
 import bench
 from test_vine import SMALL  # the tiny settings of test_vine's smoke runs
 import ppo
@@ -265,7 +266,7 @@ def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
         cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)[1]
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=40, pad_id=0,
                                 max_batch_tokens=6 * 31)  # two prefixes x k = 3 rows, at most 31 columns
-    monkeypatch.setattr(rollout, "batch_overhead", lambda _: 10 ** 6)  # the fewest batches: three
+    monkeypatch.setattr(batching, "batch_overhead", lambda _: 10 ** 6)  # the fewest batches: three
 
     def draw(reused_buffers):
         monkeypatch.setattr(rollout, "reused_buffers", reused_buffers)

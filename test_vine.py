@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+import batching
 import checkpoint
 import parallel
 import ppo
@@ -355,13 +356,13 @@ def cut_cost(batches, lengths, budgets, rows, overhead):
 
 def test_least_padding_hand_example():
     # 2 x 2 <= 20 and 2 x 10 <= 20, one batch of all would be 4 x 10 = 40 > 20: padding 1 + 1
-    assert rollout.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 20, overhead=2) == [[1, 3], [0, 2]]
-    assert rollout.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 20) == [[1], [3], [0], [2]]  # no padding
+    assert batching.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 20, overhead=2) == [[1, 3], [0, 2]]
+    assert batching.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 20) == [[1], [3], [0], [2]]  # no padding
     # a batch costs 3: cutting [1, 2] from [9, 10] saves 16 of padding, cutting [1] from [2] only 1
-    assert rollout.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 100, overhead=3) == [[1, 3], [0, 2]]
-    assert rollout.least_padding([1, 2], [0, 0], [1, 1], 100, overhead=3) == [[0, 1]]
-    assert rollout.least_padding([50, 1], [0, 0], [1, 1], 10) == [[1], [0]]  # over the budget: alone
-    assert rollout.padding_fraction([[0, 1]], [1, 3], [2, 0], [1, 1]) == pytest.approx(1 - 6 / 10)
+    assert batching.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 100, overhead=3) == [[1, 3], [0, 2]]
+    assert batching.least_padding([1, 2], [0, 0], [1, 1], 100, overhead=3) == [[0, 1]]
+    assert batching.least_padding([50, 1], [0, 0], [1, 1], 10) == [[1], [0]]  # over the budget: alone
+    assert batching.padding_fraction([[0, 1]], [1, 3], [2, 0], [1, 1]) == pytest.approx(1 - 6 / 10)
 
 
 @settings(max_examples=150, deadline=None)
@@ -371,7 +372,7 @@ def test_least_padding_is_the_best_of_every_cut(items, max_tokens, overhead):
     """Against every set of cut points of the items sorted by length (then budget): the least cost (fewest
     batches on a tie); every item exactly once; no batch over the budget but a lone item."""
     lengths, budgets, rows = map(list, zip(*items))
-    batches = rollout.least_padding(lengths, budgets, rows, max_tokens, overhead)
+    batches = batching.least_padding(lengths, budgets, rows, max_tokens, overhead)
     assert sorted(j for b in batches for j in b) == list(range(len(items)))
     tokens = lambda b: sum(rows[j] for j in b) * (max(lengths[j] for j in b) + max(budgets[j] for j in b))
     assert all(tokens(b) <= max_tokens or len(b) == 1 for b in batches)
@@ -392,11 +393,11 @@ def test_group_chunks_keep_prompts_whole_within_the_budget():
     index = lambda chunks: [[next(i for i, e in enumerate(episodes) if e is ep) for ep in c] for c in chunks]
     # sorted by longest: groups 2, 0, 3, 1 (rows 1, 2, 2, 3); 1 x 3 of padding for a batch fewer, groups
     # 0 and 3 would be 4 x 28 > 100
-    assert index(rollout.group_chunks(episodes, 100, overhead=20)) == [[0, 1, 5], [2, 3, 4], [6, 7]]
-    assert index(rollout.group_chunks(episodes, 100, overhead=2)) == [[0, 1], [2, 3, 4], [5], [6, 7]]
+    assert index(batching.group_chunks(episodes, 100, overhead=20)) == [[0, 1, 5], [2, 3, 4], [6, 7]]
+    assert index(batching.group_chunks(episodes, 100, overhead=2)) == [[0, 1], [2, 3, 4], [5], [6, 7]]
     # all fit (8 x 31): padding 25 + 2 x 22 + 2 x 3 = 75 against 3 and 2 x 3 in two batches
-    assert index(rollout.group_chunks(episodes, 1000, overhead=20)) == [[0, 1, 5], [2, 3, 4, 6, 7]]
-    assert index(rollout.group_chunks(episodes, 1000, overhead=100)) == [list(range(8))]
+    assert index(batching.group_chunks(episodes, 1000, overhead=20)) == [[0, 1, 5], [2, 3, 4, 6, 7]]
+    assert index(batching.group_chunks(episodes, 1000, overhead=100)) == [list(range(8))]
 
 
 def test_greedy_continuations_whatever_the_batching(model, monkeypatch):
@@ -408,10 +409,10 @@ def test_greedy_continuations_whatever_the_batching(model, monkeypatch):
     rows, budgets = [0, 0, 1, 2, 1, 2], [12, 4, 12, 8, 10, 12]
     outs = []
     for max_tokens, overhead in ((1, 0), (120, 10 ** 6), (300, 10 ** 6), (10 ** 6, 10 ** 6)):
-        monkeypatch.setattr(rollout, "batch_overhead", lambda _: overhead)  # a batch per state ... one of all
+        monkeypatch.setattr(batching, "batch_overhead", lambda _: overhead)  # a batch per state ... one of all
         greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0,
                                   max_batch_tokens=max_tokens)
-        cuts = rollout.least_padding(list(map(len, prefixes)), budgets, [2] * 6, max_tokens, overhead)
+        cuts = batching.least_padding(list(map(len, prefixes)), budgets, [2] * 6, max_tokens, overhead)
         outs.append((len(cuts), rollout.sample(model, prefixes, 2, budgets, greedy, cache=cache, rows=rows)))
     assert [n for n, _ in outs] == [6, 4, 2, 1] and all(out == outs[0][1] for _, out in outs)
 
@@ -1044,12 +1045,20 @@ def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
         assert critic.head_type == {"ppo": "scalar", "tppo": "tracking"}[algo]
 
 
+# two answers to one question: after a short SFT the policy writes either, so some rewards are 1 and some 0
+# on any machine's draws (on the arith task after 3 SFT steps every reward may be 0: VinePPO's advantages
+# all 0, and weights that did not move would be equal across processes for nothing)
+COIN_FLIP = [{"question": "Flip a coin.", "answer": f"1+{d - 1}={d}\n#### {d}"} for d in (1, 2) * 4]
+
+
 @pytest.mark.parametrize("algo, shard", [("vineppo", []), ("ppo", ["--fsdp"])])
 def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
     """torchrun --nproc_per_node 2 on CPU (gloo), SFT and 2 iterations, with DDP or FSDP: the SFT
     equals a single process's, afterwards both processes hold identical weights, which moved,
     every iteration's metrics count each prompt once, and --resume continues."""
-    out = tmp_path / "out"
+    out, data = tmp_path / "out", tmp_path / "coin.jsonl"
+    data.write_text("".join(json.dumps(problem) + "\n" for problem in COIN_FLIP))
+    task = ["--data", str(data), "--eval-data", str(data), "--sft-steps", "40", "--sft-lr", "5e-3"]
     script = tmp_path / "run.py"  # train.py's main, then each process saves the weights it holds
     script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\nimport train\n"
                       "import parallel\npolicy = train.main(train.parse_args(sys.argv[1:]))\n"
@@ -1057,10 +1066,10 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
                       f"torch.save(weights, os.path.join({str(out)!r}, 'rank' + os.environ['RANK'] + '.pt'))\n"
                       "parallel.close()\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(script), "--algo", algo, "--out", str(out), *SMALL, *shard], cwd=HERE,
+                        str(script), "--algo", algo, "--out", str(out), *SMALL, *task, *shard], cwd=HERE,
                        env={**OFFLINE, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    alone = run_train("--algo", algo, "--out", str(tmp_path / "alone"), *SMALL, "--iterations", "0")
+    alone = run_train("--algo", algo, "--out", str(tmp_path / "alone"), *SMALL, *task, "--iterations", "0")
     assert alone.returncode == 0, alone.stderr[-3000:]
     sft_alone = AutoModelForCausalLM.from_pretrained(tmp_path / "alone" / "reference").state_dict()
     sft_split = AutoModelForCausalLM.from_pretrained(out / "reference").state_dict()
@@ -1074,8 +1083,9 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
     assert [row["iteration"] for row in rows] == [0, 1, 2]
     for row in rows[1:]:  # 4 prompts x 2 samples per iteration, split 2 + 2 over the processes
         assert row["prompts"] == 4 and row["episodes"] == 8 and "eval_accuracy" in row
+    assert any(0 < row["train_reward"] < 1 for row in rows[1:])  # the coin flip's point: a learning signal
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        os.path.join(HERE, "train.py"), "--algo", algo, "--out", str(out), *SMALL, *shard,
+                        os.path.join(HERE, "train.py"), "--algo", algo, "--out", str(out), *SMALL, *task, *shard,
                         "--iterations", "3", "--resume"], cwd=HERE, env={**OFFLINE, "OMP_NUM_THREADS": "1"},
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]  # optimizer states (FSDP: gathered, then re-sharded) and RNG reloaded

@@ -13,7 +13,7 @@ critic's values (value.py) -> advantages -> reference log-probs -> epochs of cli
 
 Needs: rollout, reward, vine, ppo, value (the algorithm); start (everything before the first
 iteration), settings (how a setting is shown and checked), checkpoint, parallel (torchrun, and the
-metrics row). Algorithm: Config and its presets, main, evaluate; the engineering sections (the
+metrics row), batching (forward batches). Algorithm: Config and its presets, main, evaluate; the engineering sections (the
 command line, exits) may be skipped on a first reading.
 """
 import signal
@@ -40,6 +40,7 @@ import re
 
 import torch
 
+import batching
 import checkpoint
 import parallel
 import ppo
@@ -223,7 +224,7 @@ def logprobs_and_values(cfg: Config, episodes, policy, critic, sampling, autocas
     tokens (empty for the others)."""
     mc_counts = collections.Counter()
     with autocast, parallel.whole(policy.model):
-        for batch in rollout.group_chunks(episodes, cfg.forward_batch_tokens):
+        for batch in batching.group_chunks(episodes, cfg.forward_batch_tokens):
             cache = rollout.old_logprobs(policy.model, batch, cfg.temperature, sampling.pad_id,
                                          keep_cache=cfg.algo == "vineppo")
             watch.lap("time_logprobs")

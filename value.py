@@ -5,11 +5,12 @@
                 BCE-with-logits against the outcome at every state s_0..s_T (s_T trains h at EOS).
   - "bce":      z_t = w.H_t + c, the same BCE loss without the sum: the control for the loss alone.
 
-Needs: rollout.py (padding, forward batches). All of it is the algorithm of PPO/TPPO."""
+Needs: rollout.py (padding), batching.py (forward batches). All of it is the algorithm of PPO/TPPO."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import batching
 import rollout
 
 HEADS = ("scalar", "tracking", "bce")
@@ -69,7 +70,7 @@ class Critic(nn.Module):
 def critic_values(critic: Critic, episodes: list[rollout.Episode], pad_id: int, forward_batch_tokens: int):
     """Set ep.critic_values ([T]): V(s_t) before each response token, a forward pass per batch of episodes."""
     device = next(critic.parameters()).device
-    for chunk in rollout.group_chunks(episodes, forward_batch_tokens):
+    for chunk in batching.group_chunks(episodes, forward_batch_tokens):
         ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad_id, device)
         prompt_lens = torch.tensor([len(ep.prompt_ids) for ep in chunk], device=device)
         for ep, v in zip(chunk, rollout.per_response(critic.values(ids, mask, prompt_lens), chunk)):
