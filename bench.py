@@ -307,7 +307,7 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
         print(f"{name:<12} {med[name]:>10.3f} {rate} {med[name] / med.get('fork-batch', med[name]):>13.2f}")
     print(f"(forward: the log-prob pass over {a.trajectories} x {a.traj_len} tokens that every method needs anyway)")
     cuts = batching.least_padding(list(map(len, prefixes)), budgets, [a.k] * len(prefixes), a.max_batch_tokens,
-                                 batching.batch_overhead(model))
+                                  batching.batch_overhead(model))
     padding = batching.padding_fraction(cuts, list(map(len, prefixes)), budgets, [a.k] * len(prefixes))
     print(f"padding: fork-batch and fork-gather {padding:.1%} of the tokens of their {len(cuts)} batches; "
           "naive, fork-each and decode-only none (one prefix length per batch)")

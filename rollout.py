@@ -125,8 +125,9 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
     conts, done = [None] * len(prefixes), [None] * len(prefixes)
     chunks = batching.least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
                                     sampling.max_batch_tokens, batching.batch_overhead(model))
-    allocate = reused_buffers(max(len(chunk) * k * (max(len(prefixes[j]) - 1 + budgets[j] for j in chunk))
-                                  for chunk in chunks))  # the largest fork's cached positions (rows x columns)
+    # the largest fork's cached positions: rows x (longest prefix - 1 + largest budget), fork's capacity
+    allocate = reused_buffers(max(len(chunk) * k * (max(len(prefixes[j]) for j in chunk) - 1
+                                                    + max(budgets[j] for j in chunk)) for chunk in chunks))
     for chunk in chunks:
         budget = max(budgets[j] for j in chunk)
         new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,

@@ -254,8 +254,9 @@ def test_two_batches_of_forks_peak_like_one(model):
 
 
 def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
-    """Three batches of forks (prefixes 10 and 13 left-padded to 13, 19 and 22 to 22, 26 alone) write into
-    one flat tensor per layer's keys and values, made once for the largest batch; poisoned with NaN before
+    """Three batches of forks (prefixes 10 and 13 left-padded to 13, 19 and 22 to 22, 26 alone; 22 with a
+    budget of 2, the others 6) write into one flat tensor per layer's keys and values, made once for the
+    largest batch (22 - 1 + 6 columns: the longest prefix and the largest budget); poisoned with NaN before
     each fork, they sample what fresh buffers do (T = 1, same seed): no column is read that this batch did
     not write, its padding included."""
     seqs = random_seqs([30, 24, 26])
@@ -271,7 +272,7 @@ def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
     def draw(reused_buffers):
         monkeypatch.setattr(rollout, "reused_buffers", reused_buffers)
         torch.manual_seed(0)
-        return rollout.sample(model, prefixes, 3, [6] * 5, sampling, cache=cache, rows=rows)
+        return rollout.sample(model, prefixes, 3, [6, 6, 6, 2, 6], sampling, cache=cache, rows=rows)
 
     made, storage, reuse = [], set(), rollout.reused_buffers
 
