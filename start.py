@@ -74,12 +74,15 @@ def start_run(cfg, device, autocast):
     """Data, models, learners (ppo.Learner) and the last iteration done (None for a fresh run). All that can
     refuse the run comes first (load_run): a refused start changes nothing on disk, and --overwrite removes
     the earlier run only once nothing is left to fail (begin_writing)."""
+    global tiny_in_progress
     try:
         tok, train_set, eval_set, ref, learners, state, rows = load_run(cfg, device, autocast)
-    except BaseException:  # refused or stopped: not even the tiny model built for this run stays
-        if cfg.model == "tiny" and parallel.rank() == 0:
-            shutil.rmtree(os.path.join(cfg.out, "tiny-init.tmp"), ignore_errors=True)
+    except BaseException:  # refused or stopped: the tiny model this run began to build goes too
+        if tiny_in_progress is not None:  # only this run's: a refused run may not touch another's
+            shutil.rmtree(tiny_in_progress, ignore_errors=True)
         raise
+    finally:
+        tiny_in_progress = None
     sft_reference = ref if cfg.sft_steps and state is None else None  # made by this run's SFT
     begin_writing(cfg, state, rows, sft_reference, tok)
     ref.eval().requires_grad_(False)
@@ -238,9 +241,14 @@ def load_policy_and_reference(cfg, resume_from: str | None, device):
     return tok, policy, checkpoint.load_model(ref_path, device, cfg.trust_remote_code, in_out)[1]
 
 
+tiny_in_progress = None  # OUT/tiny-init.tmp while this process builds it, until the run begins
+
+
 def build_tiny(path: str, seed: int) -> str:
     """checkpoint.build_tiny_model at path, written by the first process; a failed write is one line."""
+    global tiny_in_progress
     if parallel.rank() == 0:
+        tiny_in_progress = path  # built under this run's lock of --out (prepare_out came first)
         try:
             shutil.rmtree(path, ignore_errors=True)  # a start that was stopped
             checkpoint.build_tiny_model(path, seed)

@@ -668,3 +668,24 @@ def test_compare_stops_with_train_pys_own_line(tmp_path, capfd):
         compare.run(str(tmp_path / "sft"), "--iterations", "0")
     err = capfd.readouterr().err
     assert stop.value.code == 2 and err == f"error: --out '{tmp_path / 'sft'}' is a file, not a directory\n"
+
+
+def test_a_refused_second_run_leaves_the_first_runs_files(tmp_path):
+    """A second run into a busy --out is refused and removes nothing of the first's.
+
+    The first run builds OUT/tiny-init.tmp, then trains SFT for ~20 s; the second is refused
+    meanwhile; the first then renames tiny-init.tmp and finishes (it died there before)."""
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--iterations", "0", "--sft-steps", "300", "--sft-batch", "16",
+            "--eval-problems", "4", "--eval-samples", "1"]
+    first = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *args], env=OFFLINE,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "tiny-init.tmp" / "config.json").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    second = run_train(*args)
+    assert second.returncode == 2 and "is in use by a run that is still going" in second.stderr
+    assert first.poll() is None, "the first run ended before the second was refused"
+    assert (out / "tiny-init.tmp").is_dir()  # the first run's, untouched
+    assert first.wait(timeout=600) == 0, first.stderr.read()[-2000:]
+    assert (out / "tiny-init").is_dir() and (out / "checkpoint").is_dir()
