@@ -25,8 +25,11 @@ token counts (trajectories x states x K continuations of exactly --new-tokens to
 The log-prob forward pass (keeping its cache) is timed on its own line and left out of 2 and 3:
 every method, naive included, needs those log-probs for the PPO loss, so it is not a cost of
 the MC values. The model is random-init (speed does not depend on the weights) and the
-trajectories are random tokens. Methods are interleaved, each repeat in a rotated order, and
-the median of the repeats is reported. The last printed line is one JSON object.
+trajectories are random tokens. Each repeat times every method once (fork-batch twice when
+naive, decode-only and fork-gather all run): the two of each ratio back to back, which of them
+goes first alternating from repeat to repeat. Reported: each method's median seconds, and each
+ratio's median over the repeats' pairs with its min-max (machine drift between pairs does not
+enter a pair's ratio). The last printed line is one JSON object.
 
 --gpu-report OUT measures, in one time-boxed run, what no GPU has measured yet: tokens/s of sampling
 and of MC continuations at rho-math-1.1b's shape, the peak memory and seconds per phase of one
@@ -284,19 +287,23 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
                "fork-gather": (lambda cache: fork_batch(cache, "gather"), forward),
                "decode-only": (decode_only, lambda: ()), "forward": (forward, lambda: ())}
 
-    names = [name for name in methods if only is None or name in only]
-    times = {name: [] for name in names}
+    order = repeat_order([name for name in methods if only is None or name in only])
+    names = [name for name in methods if name in order]
+
+    def time_one(name, r):
+        torch.manual_seed(a.seed + r)
+        fn, setup = methods[name]
+        seconds = timed(fn, a.device, setup)
+        print(f"  repeat {r + 1}/{a.repeats} {name:<12} {seconds:8.2f} s", flush=True)
+        return seconds
+
     start = time.perf_counter()
     with torch.no_grad(), autocast:
         # warm-up
         rollout.sample(model, [floor_prefix], a.k, [a.new_tokens], sampling, cache=floor_cache, rows=[0])
-        for r in range(a.repeats):
-            for name in names[r % len(names):] + names[: r % len(names)]:  # rotate so no method is always first
-                torch.manual_seed(a.seed + r)
-                fn, setup = methods[name]
-                times[name].append(timed(fn, a.device, setup))
-                print(f"  repeat {r + 1}/{a.repeats} {name:<12} {times[name][-1]:8.2f} s", flush=True)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+        runs = paired_runs(order, a.repeats, time_one)
+    med = {name: statistics.median(s[i] for s in runs for i, n in enumerate(order) if n == name)
+           for name in names}
 
     print(f"\n{n_params / 1e6:.1f}M params, {a.dtype} on {a.device}, torch threads {torch.get_num_threads()}; "
           f"{len(prefixes)} states x {a.k} continuations x {a.new_tokens} tokens = {n_tokens} tokens; "
@@ -311,13 +318,66 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
     padding = batching.padding_fraction(cuts, list(map(len, prefixes)), budgets, [a.k] * len(prefixes))
     print(f"padding: fork-batch and fork-gather {padding:.1%} of the tokens of their {len(cuts)} batches; "
           "naive, fork-each and decode-only none (one prefix length per batch)")
+    ratios = paired_ratios(order, runs, print_as=f"{a.repeats} pairs")
     print(f"total benchmark time {time.perf_counter() - start:.1f} s")
-    ratio = lambda x, y: med[x] / med[y] if x in med and y in med else None
-    return {"speedup_vs_naive": ratio("naive", "fork-batch"),
-            "overhead_vs_decode_only": ratio("fork-batch", "decode-only"),
-            "gather_vs_copy": ratio("fork-gather", "fork-batch"),
+    return {**{key: r and r[0] for key, r in ratios.items()},
+            **{key + "_spread": r and [r[1], r[2]] for key, r in ratios.items()},
             "fork_batch_padding": padding, "fork_batches": len(cuts),
             "median_s": med, "continuation_tokens": n_tokens, "params": n_params, "mean_state_len": mean_len}
+
+
+# The headline ratios: key -> (x, y), x and y timed back to back (either first) in every repeat.
+RATIOS = {"speedup_vs_naive": ("naive", "fork-batch"),
+          "overhead_vs_decode_only": ("fork-batch", "decode-only"),
+          "gather_vs_copy": ("fork-gather", "fork-batch")}
+
+
+def repeat_order(names: list[str]) -> list[str]:
+    """One repeat's methods: those of no ratio first, then each ratio's x right before its y.
+
+    fork-batch sits between two partners; a third gets a second fork-batch.
+    """
+    if "fork-batch" not in names:
+        return list(names)
+    before = [x for x in ("naive", "fork-gather") if x in names]  # x of a ratio over fork-batch
+    chain = before[:1] + ["fork-batch"] + (["decode-only"] if "decode-only" in names else [])
+    if len(before) == 2:
+        chain += ["fork-gather", "fork-batch"]
+    if chain == ["fork-batch"]:
+        return list(names)
+    return [name for name in names if name not in chain] + chain
+
+
+def paired_runs(order: list[str], repeats: int, time_one) -> list[list[float]]:
+    """Seconds of order[i] in each repeat: order forward in even repeats, reversed in odd ones.
+
+    So every side-by-side pair alternates which of its two goes first; time_one(name, r) times one.
+    """
+    runs = []
+    for r in range(repeats):
+        seconds = [0.0] * len(order)
+        for i in range(len(order)) if r % 2 == 0 else reversed(range(len(order))):
+            seconds[i] = time_one(order[i], r)
+        runs.append(seconds)
+    return runs
+
+
+def paired_ratios(order: list[str], runs: list[list[float]], print_as: str = "") -> dict:
+    """RATIOS' key -> (median, min, max) over the repeats of x / y timed side by side, or None.
+
+    With print_as ("3 pairs"), each is also printed on a line of its own.
+    """
+    result = dict.fromkeys(RATIOS)
+    for key, (x, y) in RATIOS.items():
+        i = next((i for i in range(len(order) - 1) if {order[i], order[i + 1]} == {x, y}), None)
+        if i is not None:
+            top, bottom = (i, i + 1) if order[i] == x else (i + 1, i)
+            ratios = [seconds[top] / seconds[bottom] for seconds in runs]
+            result[key] = median, low, high = statistics.median(ratios), min(ratios), max(ratios)
+            if print_as:
+                print(f"{key}: {x} / {y} {median:.2f} (min-max {low:.2f}-{high:.2f}; median of "
+                      f"{print_as} timed back to back, which first alternating)")
+    return result
 
 
 # ---- the GPU report (--gpu-report OUT): what no GPU has measured yet, in one 8-minute command ----------
@@ -494,6 +554,8 @@ def generation(ctx, result):
                           tokens_per_s={k: n / s for k, s in forks["median_s"].items() if k != "forward"},
                           gather_vs_copy=forks["gather_vs_copy"],
                           overhead_vs_decode_only=forks["overhead_vs_decode_only"],
+                          gather_vs_copy_spread=forks["gather_vs_copy_spread"],
+                          overhead_vs_decode_only_spread=forks["overhead_vs_decode_only_spread"],
                           default_method="fork-gather" if ctx.device.startswith("cuda") else "fork-batch")
     model.to(torch.bfloat16)
     result["plain"].append(plain_sampling(model, shape["vocab"], plain, 8 * train["prompts"], ctx.device,
@@ -715,9 +777,13 @@ def generation_table(generation: dict) -> list[str]:
                      f"{cell(fork['continuation_tokens'] if tokens_per_s else None)} | {seconds:.2f} | "
                      f"{cell(tokens_per_s, ',.0f')} |")
     if fork:
-        lines += ["", f"fork-gather / fork-batch (copy) {cell(fork['gather_vs_copy'], '.2f')}; fork-batch / "
-                      f"decode-only {cell(fork['overhead_vs_decode_only'], '.2f')}; train.py forks here by "
-                      f"{fork['default_method']}."]
+        def ratio(key):  # the median of the pairs, and their min-max where the report has it
+            spread = fork.get(key + "_spread")
+            return cell(fork[key], ".2f") + (f" (min-max {spread[0]:.2f}-{spread[1]:.2f})"
+                                             if spread else "")
+        lines += ["", f"fork-gather / fork-batch (copy) {ratio('gather_vs_copy')}; fork-batch / "
+                      f"decode-only {ratio('overhead_vs_decode_only')}, medians of pairs timed "
+                      f"back to back; train.py forks here by {fork['default_method']}."]
     return lines + [""]
 
 
@@ -736,12 +802,25 @@ def iteration_table(report: dict) -> list[str]:
              "| --algo | peak memory | model state | " + " | ".join(p[5:] for p in PHASES)
              + " | seconds | episodes | mc_states | mc_tokens |", "| --- " * (len(PHASES) + 7) + "|"]
     for algo, run in runs.items():
-        time_, metrics = run.get("time", {}), run.get("metrics", {})
-        memory = f"{size(run.get('peak_memory_bytes'))} | {size(run.get('model_state_bytes_arithmetic'))}"
+        failed = failure(run)  # a failed part shows no measured figure (its JSON keeps what it had)
+        time_, metrics = ({}, {}) if failed else (run.get("time", {}), run.get("metrics", {}))
+        peak = failed or size(run.get("peak_memory_bytes"))
+        memory = f"{peak} | {size(run.get('model_state_bytes_arithmetic'))}"
         seconds = " | ".join(cell(time_.get(p), ".2f") for p in PHASES + ("seconds",))
         counts = " | ".join(cell(metrics.get(k)) for k in ("episodes", "mc_states", "mc_tokens"))
         lines.append(f"| {algo} | {memory} | {seconds} | {counts} |")
     return lines + [""]
+
+
+def failure(part: dict) -> str | None:
+    """A table's word for a part that did not finish ("failed: out of time"), else None."""
+    if part.get("status") in (None, "ok"):
+        return None
+    error = part.get("error") or ""
+    if part["status"] == "failed":
+        late = error.startswith("OutOfTime")
+        return "failed: " + ("out of time" if late else error.split(":")[0])
+    return part["status"]
 
 
 def estimate_table(estimate: dict) -> list[str]:

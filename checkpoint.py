@@ -20,11 +20,13 @@ from reward import DataError, first_line
 
 ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's SFT checkpoint
 MATH_ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-MATH"}  # and its MATH one (--data math)
+# what the optimizers and LR schedules restored from a checkpoint were built with, and keep
+RATES = ("lr", "critic_lr", "warmup")
 # what a resumed run cannot change: its models, its prompts, what it trains on and is evaluated on (the
-# contents of .jsonl files too: data_files), what the reference was made from
+# contents of .jsonl files too: data_files), what the reference was made from, its RATES
 RESUME_MUST_MATCH = ("model", "data", "eval_data", "eval_problems", "max_prompt_tokens", "algo", "value_head",
                      "fsdp", "seed", "arith_steps", "arith_slip", "arith_traps", "sft_steps", "sft_lr", "sft_batch",
-                     "prompt_template", "chat", "system", "answer")
+                     "prompt_template", "chat", "system", "answer") + RATES
 RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
 # what else a run writes in --out (or a kill leaves there): --overwrite removes these too
 LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "metrics.jsonl.tmp",
@@ -100,7 +102,7 @@ def load_model(name: str, device, trust_remote_code=False, resuming: bool = Fals
     setting that named it, for the messages."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     if name.endswith(".gguf"):
-        return load_gguf(name, device)
+        return load_gguf(name, device, flag)
     # a hub id is 'name' or 'owner/name'; anything else (./x, /x, a/b/c) can only be a local directory
     hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) and not name.startswith(".")
     try:
@@ -109,7 +111,10 @@ def load_model(name: str, device, trust_remote_code=False, resuming: bool = Fals
         if os.path.isdir(name) and not os.path.exists(os.path.join(name, "config.json")):
             raise FileNotFoundError("a directory without config.json: expected one written by save_pretrained "
                                     "(model and tokenizer)")
-        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        try:
+            tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        except Exception as e:  # no tokenizer files: "Couldn't instantiate the backend tokenizer"
+            raise without_tokenizer(name, e) from None
         config = without_dropout(AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code))
         model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code)
@@ -126,6 +131,27 @@ def load_model(name: str, device, trust_remote_code=False, resuming: bool = Fals
     return tok, model
 
 
+# what save_pretrained writes for a fast tokenizer; the files that can hold a tokenizer's vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+VOCABULARIES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def without_tokenizer(name: str, error: Exception) -> Exception:
+    """Why the tokenizer of name did not load: for a directory without one, the files it lacks.
+
+    A run's folder (OUT, not OUT/checkpoint) is said to be one; any other error is kept as it is."""
+    found = lambda file: os.path.exists(os.path.join(name, file))
+    if not os.path.isdir(name) or any(found(file) for file in VOCABULARIES):
+        return error
+    missing = ", ".join(file for file in TOKENIZER_FILES if not found(file))
+    if os.path.isdir(os.path.join(name, "checkpoint")):
+        inside = os.path.join(name, "checkpoint")
+        return FileNotFoundError(f"a run's folder, not a model (missing: {missing}); its "
+                                 f"checkpoint/ holds them, with the weights: give {inside}")
+    return FileNotFoundError(f"no tokenizer in it (missing: {missing}); a run's checkpoint/ holds "
+                             "them beside the weights (tokenizer.save_pretrained writes them)")
+
+
 def without_dropout(config):
     """The config with every dropout probability 0 (GPT-2's attn_pdrop, Llama's attention_dropout, ...), its
     sub-configs' too: old and new log-probs, the reference's and the critic's come from one network."""
@@ -137,13 +163,15 @@ def without_dropout(config):
     return config
 
 
-def load_gguf(path: str, device):
+def load_gguf(path: str, device, flag: str = "--model"):
     """(tokenizer, model) of a .gguf file, de-quantised to fp32 by transformers' GGUF reader (it needs the
     gguf package); built from its config, so accelerate is not needed."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    if os.path.isdir(path):
+        raise DataError(f"{flag} {path!r}: a directory, not a .gguf file")
     if not os.path.isfile(path):
-        raise DataError(f"--model {path!r}: no such file")
+        raise DataError(f"{flag} {path!r}: no such file")
     folder, file = os.path.split(os.path.abspath(path))
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
@@ -157,8 +185,8 @@ def load_gguf(path: str, device):
         if set(missing) - tied or unexpected:
             raise ValueError(f"weights missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}")
     except Exception as e:  # no gguf package, an architecture transformers cannot read from GGUF, a bad file
-        raise DataError(f"--model {path!r}: cannot load it as GGUF ({first_line(e)}); it needs the gguf "
-                        "package (pip install gguf)") from None
+        raise DataError(f"{flag} {path!r}: cannot load it as GGUF ({first_line(e)}); it needs the "
+                        "gguf package (pip install gguf)") from None
     return tok, model.to(device)
 
 
@@ -236,9 +264,13 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
     settings = recorded_settings(cfg.out)  # the authority on what the run was started with
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}  # a setting newer than the run: its default
     for key in RESUME_MUST_MATCH:
-        if settings.get(key, defaults[key]) != getattr(cfg, key):
+        written = settings.get(key, defaults[key])
+        if written != getattr(cfg, key):
+            why = ""
+            if key in RATES:
+                why = f"; its optimizers and LR schedules were built with {written!r}"
             raise DataError(f"--resume: {cfg.out} was written with --{key.replace('_', '-')} "
-                            f"{settings.get(key, defaults[key])!r}, not {getattr(cfg, key)!r}")
+                            f"{written!r}, not {getattr(cfg, key)!r}{why}")
     recorded = settings.get("data_files")  # None: written before the files were recorded, unchecked
     for key, digest in data_files(cfg).items():
         if isinstance(recorded, dict) and recorded.get(key) != digest:
@@ -305,7 +337,24 @@ def rows_to_keep(out: str, state: dict | None) -> dict:
     paths = [os.path.join(out, name) for name in ("metrics.jsonl", "samples.jsonl")]
     if state is None:
         return dict.fromkeys(paths, [])
-    return {path: rows_up_to(path, state["iteration"]) for path in paths if os.path.exists(path)}
+    rows = {path: rows_up_to(path, state["iteration"]) for path in paths if os.path.exists(path)}
+    if paths[0] in rows:
+        warn_of_missing_rows(paths[0], rows[paths[0]], state["iteration"])
+    return rows
+
+
+def warn_of_missing_rows(path: str, rows: list[str], last_iteration: int):
+    """One warning line naming the iterations up to the checkpoint that have no metrics row.
+
+    A row torn by a kill, or lost with the disk's cache, while the checkpoint after it was kept:
+    it cannot be made again, so the run goes on without it, and says so."""
+    found = {json.loads(row)["iteration"] for row in rows}
+    missing = [str(it) for it in range(last_iteration + 1) if it not in found]
+    if missing and parallel.rank() == 0:
+        iterations = "iteration" if len(missing) == 1 else "iterations"
+        tqdm.write(f"warning: --resume: {path} has no row for {iterations} {', '.join(missing)} "
+                   "(torn or lost when the run stopped); it cannot be recovered, the run goes on "
+                   "without it")
 
 
 def write_rows(rows: dict):

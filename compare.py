@@ -16,9 +16,14 @@ methods are compared at equal wall-clock only, at half, three quarters and all o
 With matplotlib installed, also writes the learning curves to OUT/curves.png.
 """
 import argparse
+import contextlib
+import dataclasses
+import io
 import json
 import math
 import os
+import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -36,7 +41,8 @@ def run(out: str, *args, seconds: float = 0.0):
     if os.path.exists(os.path.join(out, "finished")):
         return
     # leftovers of an unfinished run are replaced
-    child = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", out, "--overwrite", *args])
+    train_py = os.path.join(HERE, "train.py")
+    child = subprocess.Popen([sys.executable, train_py, *train_argv(out, *args)])
     while child.poll() is None:
         if seconds and training_seconds(out) >= seconds:
             child.terminate()  # train.py exits 143 on SIGTERM, its metrics so far logged
@@ -46,7 +52,15 @@ def run(out: str, *args, seconds: float = 0.0):
     else:
         if child.returncode:  # the run has said why in its own line: stop with its exit status
             sys.exit(child.returncode)
+    if not os.path.isdir(out):  # train.py ended well but wrote no run: nothing to mark finished
+        sys.exit(print(f"error: train.py ended without writing its run to {out!r}",
+                       file=sys.stderr) or 1)
     open(os.path.join(out, "finished"), "w").close()
+
+
+def train_argv(out: str, *args) -> list[str]:
+    """train.py's command line for a run in `out`: every run replaces an unfinished one there."""
+    return ["--out", out, "--overwrite", *args]
 
 
 def training_seconds(out: str) -> float:
@@ -173,6 +187,90 @@ def as_flags(settings: dict) -> list[str]:
     return [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
+def task_settings(args, chains: str) -> dict:
+    """The task of a chain length, the same for its SFT start and for every RL run from it."""
+    return {"arith_steps": chains, "arith_traps": args.traps, "arith_slip": args.slip,
+            "max_new_tokens": max(train.DEMO["max_new_tokens"], 7 * int(chains.split("-")[1]) + 16)}
+
+
+def rl_flags(args, chains: str, seed: int, flags: list[str]) -> list[str]:
+    """One RL run's train.py flags, from its chain length's SFT checkpoint.
+    The demo's settings first, then the method's own flags, which override them.
+    """
+    settings = {**train.DEMO, **task_settings(args, chains), "iterations": args.iterations,
+                "sft_steps": 0, "eval_every": args.eval_every, "eval_problems": args.eval_problems}
+    sft = os.path.join(args.out, f"chains{chains}", "sft", "checkpoint")
+    return ["--model", sft, "--seed", str(seed), *as_flags(settings), *flags]
+
+
+# compare.py gives every run these: a variant that gave one would lose, mix or mislabel runs
+OWNED = ("--out", "--seed", "--algo", "--overwrite", "--resume")
+
+
+def refuse(message: str):
+    """An argparse error as an exception, for a parser that must not exit."""
+    raise ValueError(message)
+
+
+def given_flags(words: list[str]) -> list[str]:
+    """The train.py flags that `words` give, as argparse reads them.
+    So an abbreviation (--se 5) or --seed=5 counts as --seed.
+    """
+    p = argparse.ArgumentParser(add_help=False)
+    for f in dataclasses.fields(train.Config):  # train.py's options, each read as a string
+        kind = dict(action="store_true") if f.type is bool else {}
+        p.add_argument("--" + f.name.replace("_", "-"), default=None, **kind)
+    p.error = refuse  # a malformed line: train.py's own check says why
+    try:
+        known, _ = p.parse_known_args(words)
+    except ValueError:
+        return []
+    return ["--" + k.replace("_", "-") for k, v in vars(known).items() if v is not None]
+
+
+def train_refusal(argv: list[str]) -> str:
+    """Why train.py would refuse this command line at once ('' if it would not).
+    Its own parse_args decides; what it prints is kept, not shown.
+    """
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+            train.parse_args(argv)
+    except SystemExit as stop:
+        lines = said.getvalue().strip().splitlines()
+        if stop.code == 0 or not lines:  # --help: train.py would print it and exit
+            return "FLAGS would make train.py print its help, not run"
+        return lines[-1].removeprefix("error: ")
+    return ""
+
+
+def variant(text: str, methods: dict, error) -> tuple[str, list[str]]:
+    """A --variant NAME=FLAGS: (NAME, its train.py flags), or one line and exit 2.
+    NAME is a folder name under --out; it begins with its algorithm (NAME-...).
+    FLAGS are split as a shell splits them; compare.py's own flags are refused.
+    """
+    name, _, flags = text.partition("=")
+    algo = name.split("-")[0]
+    if algo not in ppo.ALGOS or not flags.strip():
+        error(f"--variant {text!r}: expected NAME=FLAGS with NAME beginning with one of "
+              + ", ".join(ppo.ALGOS) + " (not one of --algos), FLAGS train.py's")
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or ".." in name:
+        error(f"--variant {text!r}: NAME {name!r} names the runs' folders in --out: "
+              "letters, digits, '-', '_' and '.' only, no '..'")
+    if name in methods:
+        error(f"--variant {text!r}: expected a NAME of its own, {name!r} is a duplicate "
+              "(of --algos or an earlier --variant)")
+    try:
+        words = shlex.split(flags)
+    except ValueError as e:  # "No closing quotation"
+        error(f"--variant {text!r}: FLAGS, split as a shell does: {e}")
+    owned = [flag for flag in given_flags(words) if flag in OWNED]
+    if owned:
+        error(f"--variant {text!r}: {', '.join(owned)}: compare.py's own; it gives every run "
+              "its --out, --seed, --algo (NAME's) and --overwrite")
+    return name, ["--algo", algo, *words]
+
+
 def parse_args(argv=None):
     """(args, seeds, chain lengths, {method: its train.py flags}), each checked: one line and exit 2 if not."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,7 +281,9 @@ def parse_args(argv=None):
     p.add_argument("--algos", default="vineppo,grpo,ppo")
     p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS, repeatable: one more method, "
                    "the algorithm NAME begins with (NAME-...) with these train.py flags (they override the shared "
-                   "settings), e.g. 'vineppo-reuse=--mc-reuse --mc-top-up' or 'grpo-16=--samples-per-prompt 16'")
+                   "settings), e.g. 'vineppo-reuse=--mc-reuse --mc-top-up' or "
+                   "'grpo-16=--samples-per-prompt 16'; quoted as in a shell; "
+                   "--out, --seed, --algo, --overwrite and --resume are compare.py's")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
     p.add_argument("--iterations", type=int, default=12, help="iterations per run (with --seconds: at most)")
     p.add_argument("--seconds", type=float, default=0, help="training seconds per run (evaluation excluded): "
@@ -195,6 +295,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not all(s.isdigit() for s in args.seeds.split(",")):
         p.error(f"--seeds {args.seeds!r}: expected comma-separated integers >= 0")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if len(set(seeds)) < len(seeds):  # one run counted twice, as if two seeds agreed
+        p.error(f"--seeds {args.seeds!r}: a seed given twice; expected distinct seeds")
     chain_lengths = args.chains.split(",")
     for chains in chain_lengths:  # train.py's own rules for --arith-steps, once here rather than in each run
         (test, expected), most = train.STEPS, 8 if not args.traps else float("inf")
@@ -214,13 +317,15 @@ def parse_args(argv=None):
     if not all(algo in ppo.ALGOS for algo in algos) or len(set(algos)) < len(algos):
         p.error(f"--algos {args.algos!r}: expected distinct names of {', '.join(ppo.ALGOS)}, comma-separated")
     methods = {algo: ["--algo", algo] for algo in algos}  # name -> its train.py flags
-    for variant in args.variant:
-        name, _, flags = variant.partition("=")
-        if name.split("-")[0] not in ppo.ALGOS or not flags.strip() or name in methods:
-            p.error(f"--variant {variant!r}: expected NAME=FLAGS with NAME beginning with one of "
-                    + ", ".join(ppo.ALGOS) + " (not one of --algos), FLAGS train.py's")
-        methods[name] = ["--algo", name.split("-")[0], *flags.split()]
-    return args, [int(s) for s in args.seeds.split(",")], chain_lengths, methods
+    for text in args.variant:  # each checked in full here, before the SFT start runs
+        name, flags = variant(text, methods, p.error)
+        for chains in chain_lengths:  # train.py's own check of the variant's runs
+            out = os.path.join(args.out, f"chains{chains}", f"{name}-seed{seeds[0]}")
+            refused = train_refusal(train_argv(out, *rl_flags(args, chains, seeds[0], flags)))
+            if refused:
+                p.error(f"--variant {text!r}: {refused}")
+        methods[name] = flags
+    return args, seeds, chain_lengths, methods
 
 
 def main():
@@ -238,17 +343,13 @@ def main():
     curves = {metric: {} for metric in METRICS}
     for chains in chain_lengths:
         base = os.path.join(args.out, f"chains{chains}")
-        task = {"arith_steps": chains, "arith_traps": args.traps, "arith_slip": args.slip,
-                "max_new_tokens": max(train.DEMO["max_new_tokens"], 7 * int(chains.split("-")[1]) + 16)}
-        run(os.path.join(base, "sft"), "--iterations", "0", *as_flags(task))  # the demo's SFT, once
-        settings = {**train.DEMO, **task, "iterations": args.iterations, "sft_steps": 0,
-                    "eval_every": args.eval_every, "eval_problems": args.eval_problems}
+        task = as_flags(task_settings(args, chains))
+        run(os.path.join(base, "sft"), "--iterations", "0", *task)  # the demo's SFT, once
         runs = {name: [] for name in methods}
         for seed in seeds:  # methods interleaved, so a machine's changing load touches all of them alike
             for name, flags in methods.items():
                 out = os.path.join(base, f"{name}-seed{seed}")
-                run(out, "--model", os.path.join(base, "sft", "checkpoint"), "--seed", str(seed),
-                    *as_flags(settings), *flags, seconds=args.seconds)  # a method's own flags override
+                run(out, *rl_flags(args, chains, seed, flags), seconds=args.seconds)
                 runs[name].append(out)
         for metric in METRICS:
             curves[metric][chains] = {algo: [curve(out, metric) for out in outs] for algo, outs in runs.items()}

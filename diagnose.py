@@ -131,8 +131,13 @@ def count(low: int):
 
 
 def counts(text: str) -> list[int]:
-    """--k: comma-separated integers >= 1."""
-    return [count(1)(k) for k in text.split(",")]
+    """--k: comma-separated integers >= 1, each once (a duplicate would print its row twice)."""
+    ks = [count(1)(k) for k in text.split(",")]
+    twice = sorted({k for k in ks if ks.count(k) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(map(str, twice))} given twice; "
+                                         "expected each K once")
+    return ks
 
 
 def rule(test, expected: str):
@@ -190,6 +195,9 @@ def parse_args(argv=None):
         p.error(f"--arith-steps {a.arith_steps}: at most 8 steps without --arith-traps")
     if a.seed >= 2**63:
         p.error(f"--seed {a.seed}: expected 0 <= SEED < 2**63 (torch's seeds)")
+    if a.trace and a.group == 1:  # as train.py refuses --algo grpo --samples-per-prompt 1
+        p.error("--group 1: GRPO's advantage is a reward less its group's mean, always 0 in a "
+                "group of one; give at least 2")
     return a
 
 

@@ -5,6 +5,7 @@ SFT demonstrations in --answer's style, and a warning when no response holds an 
 Needs: reward.py (the data, the answer styles' readers), parallel.py (which process speaks). All engineering
 around the algorithm: a first reading may skip this file (docs/your-own-model.md tells its settings)."""
 import re
+import string
 
 from tqdm import tqdm
 
@@ -13,10 +14,12 @@ import reward
 from reward import DataError, first_line
 
 
-def pose_problems(cfg, tok, problems: list[dict]):
+def pose_problems(cfg, tok, problems: list[dict], context: int | None = None):
     """Each problem's prompt text and ids, and its answer style (--answer): --prompt-template (else the data's
     own template; with --chat the question alone), with --chat a user turn of the tokenizer's chat template
-    (and --system), add_generation_prompt: ids as the template writes them, no BOS added to them."""
+    (and --system), add_generation_prompt: ids as the template writes them, no BOS added to them.
+    A template is checked first (check_template; context: the model's), and a warning names the
+    characters of the prompts that the tokenizer cannot encode (warn_unencodable)."""
     if cfg.chat and not getattr(tok, "chat_template", None):
         raise DataError(f"--chat: the tokenizer of --model {cfg.model!r} has no chat template; leave out --chat "
                         "and write the prompt with --prompt-template")
@@ -24,9 +27,11 @@ def pose_problems(cfg, tok, problems: list[dict]):
         raise DataError(f"--answer {cfg.answer}: only for GSM8K-format data and arith; MATH is graded by its "
                         "own rules (its \\boxed{} answer)")
     template = cfg.prompt_template or ("{question}" if cfg.chat else None)
+    if template is not None:
+        check_template(template, tok, cfg.max_prompt_tokens, context)
     for p in problems:
         if template is not None:
-            p["prompt"] = template.replace("{question}", p["question"].strip())
+            p["prompt"] = template.format(question=p["question"].strip())
         if cfg.chat:
             system = [{"role": "system", "content": cfg.system}] if cfg.system else []
             p["prompt"] = tok.apply_chat_template(system + [{"role": "user", "content": p["prompt"]}],
@@ -36,6 +41,88 @@ def pose_problems(cfg, tok, problems: list[dict]):
             p["prompt_ids"] = encode_prompt(tok, p["prompt"])
         if not p.get("math"):
             p["style"] = cfg.answer
+    warn_unencodable(tok, [p["prompt"] for p in problems], cfg.model)
+
+
+# A --prompt-template is a str.format string with one field, {question} (the data's own templates
+# are filled the same way and hold no other brace): the words of every refusal of one
+EXPECTED = ("a template holding {question}, its only field ({{ and }} write a brace, as in "
+            "\\boxed{{}}), e.g. 'Q: {question}\\nA:'")
+
+
+def template_problem(template: str) -> str | None:
+    """What keeps a text from being a template (None: nothing), in words that end in EXPECTED.
+    str.format's rules, read by string.Formatter().parse: {{ and }} write a brace, {question}
+    is the only field, without a conversion (!r) or a format spec (:>9)."""
+    try:
+        fields = [(name, conversion, spec) for _, name, spec, conversion
+                  in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:  # a lone { or }
+        return f"not a format string ({e}); expected {EXPECTED}"
+    for name, conversion, spec in fields:
+        written = "{" + name + (f"!{conversion}" if conversion else "") + \
+            (f":{spec}" if spec else "") + "}"
+        if name != "question":
+            return f"unknown field {written}; expected {EXPECTED}"
+        if conversion or spec:
+            kind = "a conversion" if conversion else "a format spec"
+            return f"{written} has {kind}; expected {EXPECTED}"
+    return None if fields else f"expected {EXPECTED}"
+
+
+def brief(text: str, width: int = 60) -> str:
+    """A text as a message shows it: quoted, on one line, its start only when it is long."""
+    if len(text) <= width:
+        return repr(text)
+    return repr(text[:width]) + f"... ({len(text)} characters)"
+
+
+def prompt_room(max_tokens: int, context: int | None) -> tuple[int, str]:
+    """(the most tokens a prompt may have, the rule in words): --max-prompt-tokens, and the model's
+    context less one token for the response."""
+    if context is None or max_tokens <= context - 1:
+        return max_tokens, f"--max-prompt-tokens {max_tokens}"
+    return context - 1, f"the model's context of {context} tokens less one for the response"
+
+
+def check_template(template: str, tok, max_tokens: int, context: int | None = None):
+    """A DataError in one line for a template that is not one (template_problem), or that cannot fit
+    a prompt alone, found before any problem is encoded: more characters than prompt_room's tokens
+    can hold (each at most the tokenizer's longest token), else more tokens than that, encoded once
+    with an empty question."""
+    problem = template_problem(template)
+    if problem:
+        raise DataError(f"--prompt-template {brief(template)}: {problem}")
+    limit, rule = prompt_room(max_tokens, context)
+    longest = max(map(len, tok.get_vocab()), default=1)  # characters of the longest token
+    if len(template) > limit * longest:
+        raise DataError(f"--prompt-template {brief(template)}: {len(template)} characters "
+                        f"cannot fit {rule} (a token of this tokenizer holds at most {longest})")
+    n = len(encode_prompt(tok, template.format(question="")))
+    if n > limit:
+        raise DataError(f"--prompt-template {brief(template)}: {n} tokens without the question, "
+                        f"over {rule}")
+
+
+def warn_unencodable(tok, texts: list[str], model: str):
+    """One warning line naming the characters of these texts the tokenizer cannot encode.
+    Its unknown token stands for them (the tiny model's character tokenizer and a '问'), or they
+    are dropped; byte-level BPE encodes every one. Each distinct character is encoded alone, once;
+    white space may encode to nothing (a tokenizer folds it)."""
+    chars = sorted(set("".join(texts)))
+    unknown, dropped = [], []
+    for c, ids in zip(chars, tok(chars, add_special_tokens=False).input_ids if chars else []):
+        if tok.unk_token_id is not None and tok.unk_token_id in ids:
+            unknown.append(c)
+        elif not ids and not c.isspace():
+            dropped.append(c)
+    named = lambda cs: ", ".join(map(repr, cs[:12])) + \
+        (f" and {len(cs) - 12} more" if len(cs) > 12 else "")
+    fates = ([f"{named(unknown)}: read as {tok.unk_token!r}"] if unknown else []) + \
+        ([f"{named(dropped)}: dropped"] if dropped else [])
+    if fates and parallel.rank() == 0:
+        tqdm.write(f"warning: the tokenizer of --model {model!r} cannot encode characters of the "
+                   f"prompts (the template or the questions): {'; '.join(fates)}")
 
 
 def encode_prompt(tok, prompt: str) -> list[int]:
@@ -45,22 +132,29 @@ def encode_prompt(tok, prompt: str) -> list[int]:
 
 
 def read_template_file(given: dict, error):
-    """--prompt-template @FILE: the file's text is the template (config.json records the text)."""
+    """--prompt-template @FILE: the file's text is the template (config.json records the text).
+    A given template is checked here, before any work: an empty file, or one that is not a
+    template (template_problem), is refused in one line naming the file, or the text's start."""
     template = given.get("prompt_template", "")
+    shown = template if template.startswith("@") else brief(template)
     if template.startswith("@"):
         try:
             with open(template[1:], encoding="utf-8") as f:
                 given["prompt_template"] = f.read()
         except (OSError, UnicodeDecodeError) as e:
             error(f"--prompt-template {template}: cannot read {template[1:]!r} ({first_line(e)})")
+        if not given["prompt_template"].strip():
+            empty = "is empty" if not given["prompt_template"] else "holds only white space"
+            error(f"--prompt-template {template}: {template[1:]!r} {empty}; expected {EXPECTED}")
+    problem = template_problem(given["prompt_template"]) if given.get("prompt_template") else None
+    if problem:
+        error(f"--prompt-template {shown}: {problem}")
 
 
 def drop_long_prompts(problems: list[dict], max_tokens: int, split: str, context: int | None = None) -> list[dict]:
     """The problems whose prompt is at most max_tokens long and leaves the model's context room for at
     least one response token (a full context would leave every response empty)."""
-    limit = max_tokens if context is None else min(max_tokens, context - 1)
-    rule = f"--max-prompt-tokens {max_tokens}" if limit == max_tokens else \
-        f"the model's context of {context} tokens less one for the response"
+    limit, rule = prompt_room(max_tokens, context)
     kept = [p for p in problems if len(p["prompt_ids"]) <= limit]
     if not kept:
         raise DataError(f"{rule}: every {split} problem's prompt is longer")

@@ -203,12 +203,7 @@ def load_problems(data: str, split: str, steps: str = "2-5", slip: float = 0.0, 
     elif data.endswith(".jsonl"):
         problems = read_jsonl(data)
         if hold_out:
-            problems = [p for p in problems if split_of(p["question"]) == split]
-            if split == "test":
-                print(f"--data {data} without --eval-data: one question in {HELD_OUT} ({len(problems)}) "
-                      "is held out for evaluation and not trained on")
-            if not problems:
-                raise DataError(f"{data}: too few problems to hold out a {split} split; give --eval-data")
+            problems = held_out_split(problems, data, split)
     elif data == "gsm8k":
         problems = hub_problems(f"{flag} gsm8k", "openai/gsm8k", "main", split, check_problem, "GSM8K's format, "
                                 "one {\"question\": ..., \"answer\": ...} object per line")
@@ -219,6 +214,20 @@ def load_problems(data: str, split: str, steps: str = "2-5", slip: float = 0.0, 
         raise DataError(f"{flag} {data!r}: expected 'arith', 'gsm8k', 'math' or a path ending in .jsonl")
     template = ARITH_PROMPT if data == "arith" else PROMPT
     return [{**p, "prompt": template.format(question=p["question"].strip())} for p in problems]
+
+
+def held_out_split(problems: list[dict], data: str, split: str) -> list[dict]:
+    """The problems of `split` ('train' or 'test') by split_of; an empty split is refused."""
+    kept = [p for p in problems if split_of(p["question"]) == split]
+    if not kept:
+        distinct = len({p["question"].strip() for p in problems})
+        raise DataError(f"{data}: its {len(problems)} problems ({distinct} distinct questions) leave "
+                        f"the {split} split empty (one question in {HELD_OUT} is held out, by a hash "
+                        "of its text); give --eval-data")
+    if split == "test":
+        print(f"--data {data} without --eval-data: one question in {HELD_OUT} ({len(kept)}) "
+              "is held out for evaluation and not trained on")
+    return kept
 
 
 def is_math_data(data: str) -> bool:

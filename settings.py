@@ -38,6 +38,23 @@ def ordered(v: str, low: int) -> bool:
     return low <= least <= most
 
 
+NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?|-inf(inity)?|-nan", re.IGNORECASE)
+
+
+def join_negative_numbers(argv: list[str]) -> list[str]:
+    """Each `--flag -1e-9` as `--flag=-1e-9`, so that the rule judges the number.
+
+    argparse takes a negative number it does not recognise (-1e-9, -inf) for an option."""
+    joined = []
+    for token in argv:
+        if NEGATIVE_NUMBER.fullmatch(token) and joined and joined[-1].startswith("--") \
+                and "=" not in joined[-1]:
+            joined[-1] += "=" + token
+        else:
+            joined.append(token)
+    return joined
+
+
 def refuse(message: str):
     """A bad command line: one line, exit status 2 (argparse's own error adds its usage)."""
     print(f"error: {message}", file=sys.stderr)

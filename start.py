@@ -102,13 +102,14 @@ def load_run(cfg, device, autocast):
     eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", flag="--eval-data" if cfg.eval_data
                                     else "--data", **task)[: cfg.eval_problems or None]
     reward.is_math(train_set + eval_set)  # one format for both: MATH's grader and steps, or GSM8K's
+    warn_if_trained_on(train_set, eval_set)
     resume_from, state = checkpoint.find_resume(cfg)
     rows = checkpoint.rows_to_keep(cfg.out, state)  # a row that --resume cannot read refuses it here
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable(**RECOMPUTE)
     context = getattr(policy.config, "max_position_embeddings", None)
-    prompts.pose_problems(cfg, tok, train_set + eval_set)
+    prompts.pose_problems(cfg, tok, train_set + eval_set, context)
     announce_fork(cfg, policy)
     train_set, eval_set = (prompts.drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
                            for problems, split in ((train_set, "training"), (eval_set, "held-out")))
@@ -174,6 +175,9 @@ def prepare_out(cfg):
     """--out made, locked for this run, checked for an earlier run and writable; nothing removed yet."""
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise DataError(f"--out {cfg.out!r} is a file, not a directory")
+    if os.path.islink(cfg.out) and not os.path.exists(cfg.out):
+        raise DataError(f"--out {cfg.out!r} is a symbolic link to {os.readlink(cfg.out)!r}, "
+                        "which does not exist")
     try:
         os.makedirs(cfg.out, exist_ok=True)
         if parallel.rank() == 0:
@@ -257,6 +261,16 @@ def build_tiny(path: str, seed: int) -> str:
             raise OSError(f"cannot write {path} ({first_line(e)})") from None
     parallel.barrier()  # the other processes wait until it is written
     return path
+
+
+def warn_if_trained_on(train_set: list[dict], eval_set: list[dict]):
+    """One warning when held-out questions are training questions too (e.g. one file for both)."""
+    trained = {p["question"].strip() for p in train_set}
+    seen = sum(p["question"].strip() in trained for p in eval_set)
+    if seen and parallel.rank() == 0:
+        tqdm.write(f"warning: {seen} of the {len(eval_set)} held-out questions are training "
+                   "questions too: the evaluation measures recall of them, not what the policy "
+                   "learned (leave out --eval-data to hold out part of a .jsonl)")
 
 
 def fit_prompts_per_iter(cfg, available: int):

@@ -541,3 +541,95 @@ def test_the_gpu_reports_32k_tokenizer():
     assert sum(t.endswith("\n") for t in fillers) == (len(fillers) + 24) // 25 and len(fillers) > 25000
     ids = tok(texts[0], add_special_tokens=False).input_ids
     assert tok.decode(ids) == texts[0] and len(ids) < len(texts[0]) / 3  # words, not characters
+
+
+# ---- issue 36: a failed part shows no figure; the speed ratios from paired repeats ---------
+
+def test_a_failed_iteration_shows_no_figure_in_the_report(tmp_path, monkeypatch):
+    """Issue 36 item 13: ppo runs out of time and grpo fails after their peaks were recorded.
+
+    The .md says so in their rows, with no measured figure; vineppo's row keeps its own.
+    """
+    from parallel import PHASES
+    for name in ("environment", "model_files", "generation"):
+        monkeypatch.setattr(bench, name, lambda ctx, result: None)
+    monkeypatch.setattr(bench, "choose_new_tokens", lambda ctx: {})
+
+    def fake_iteration(ctx, result, algo):
+        result.update(peak_memory_bytes=(3 + bench.ALGOS.index(algo)) * 2**20,
+                      peak_memory_kind="CPU", model_state_bytes_arithmetic=2**20)
+        if algo == "ppo":
+            raise bench.math_grader.OutOfTime
+        if algo == "grpo":
+            raise RuntimeError("boom")
+        result.update(time=dict.fromkeys(PHASES + ("seconds",), 1.5),
+                      metrics=dict(episodes=4, mc_states=2, mc_tokens=8))
+
+    import contextlib
+    import io
+    monkeypatch.setattr(bench, "iteration", fake_iteration)
+    with contextlib.redirect_stdout(io.StringIO()):
+        bench.main(["--gpu-report", str(tmp_path), "--smoke"])
+    parts = json.loads((tmp_path / "gpu-report.json").read_text())["parts"]
+    statuses = [parts[f"iteration_{a}"]["status"] for a in bench.ALGOS]
+    assert statuses == ["ok", "failed", "failed", "ok"]
+    table = (tmp_path / "gpu-report.md").read_text().split("## Memory")[1].split("## Estimate")[0]
+    rows = {line.split(" | ")[0][2:]: line for line in table.split("\n")
+            if line.startswith(tuple(f"| {a} |" for a in bench.ALGOS))}
+    blank = " | ".join(["—"] * (len(PHASES) + 4))
+    assert rows["ppo"] == f"| ppo | failed: out of time | 1.0 MiB | {blank} |"
+    assert rows["grpo"] == f"| grpo | failed: RuntimeError | 1.0 MiB | {blank} |"
+    assert rows["vineppo"].startswith("| vineppo | 3.0 MiB | 1.0 MiB | 1.50 |")
+    assert rows["tppo"].startswith("| tppo | 6.0 MiB | 1.0 MiB | 1.50 |")
+
+
+def test_speed_repeats_are_pairs_in_alternating_order():
+    """Issue 36 item 18: each ratio's two side by side, the order reversed every other repeat."""
+    everything = ["naive", "fork-each", "fork-batch", "fork-gather", "decode-only", "forward"]
+    order = bench.repeat_order(everything)
+    assert order == ["fork-each", "forward", "naive", "fork-batch", "decode-only", "fork-gather",
+                     "fork-batch"]
+    report = bench.repeat_order(["fork-batch", "fork-gather", "decode-only", "forward"])
+    assert report == ["forward", "fork-gather", "fork-batch", "decode-only"]  # one fork-batch
+    assert bench.repeat_order(["fork-each", "forward"]) == ["fork-each", "forward"]
+    calls = []
+    runs = bench.paired_runs(order, 3, lambda name, r: calls.append((r, name)) or float(len(calls)))
+    backwards = [(1, n) for n in order[::-1]]
+    assert calls == [(0, n) for n in order] + backwards + [(2, n) for n in order]
+    assert runs[1] == [14.0, 13.0, 12.0, 11.0, 10.0, 9.0, 8.0]  # by position in order
+    for r in range(3):  # x right before y (fork-batch, then decode-only); y first in repeat 1
+        timed = [name for rr, name in calls if rr == r]
+        for x, y in bench.RATIOS.values():
+            assert ((x, y) if r % 2 == 0 else (y, x)) in zip(timed, timed[1:])
+
+
+def test_speed_ratios_are_medians_of_pairs_with_their_spread():
+    """Hand numbers: x / y of each repeat's pair; the median and the min-max of those."""
+    order = ["forward", "decode-only", "fork-batch", "fork-gather"]
+    runs = [[9.0, 2.0, 3.0, 6.0], [9.0, 1.0, 4.0, 2.0], [9.0, 4.0, 2.0, 3.0]]
+    ratios = bench.paired_ratios(order, runs)
+    assert ratios["overhead_vs_decode_only"] == (1.5, 0.5, 4.0)  # 3/2, 4/1, 2/4
+    assert ratios["gather_vs_copy"] == (1.5, 0.5, 2.0)  # 6/3, 2/4, 3/2
+    assert ratios["speedup_vs_naive"] is None  # naive did not run
+
+
+def test_speed_json_line_carries_each_ratio_and_its_spread(monkeypatch, capsys):
+    """bench.py --only speed at the smallest shape, a fake timer: the n-th method timed, n s."""
+    clock = iter(range(1, 100))
+    monkeypatch.setattr(bench, "timed", lambda fn, device, setup: float(next(clock)))
+    bench.main(["--only", "speed", "--layers", "1", "--hidden", "8", "--heads", "2",
+                "--kv-heads", "2", "--intermediate", "8", "--vocab", "8", "--trajectories", "1",
+                "--traj-len", "4", "--states", "1", "--k", "1", "--new-tokens", "1",
+                "--repeats", "3"])
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().split("\n")[-1])
+    # order: fork-each forward naive fork-batch decode-only fork-gather fork-batch;
+    # repeat 1 reversed
+    assert result["speedup_vs_naive"] == 17 / 18  # naive / fork-batch: 3/4, 12/11, 17/18
+    assert result["speedup_vs_naive_spread"] == [3 / 4, 12 / 11]
+    assert result["overhead_vs_decode_only"] == 18 / 19  # 4/5, 11/10, 18/19
+    assert result["overhead_vs_decode_only_spread"] == [4 / 5, 11 / 10]
+    assert result["gather_vs_copy"] == 20 / 21  # 6/7, 9/8, 20/21
+    assert result["gather_vs_copy_spread"] == [6 / 7, 9 / 8]
+    assert result["median_s"]["fork-batch"] == (8 + 11) / 2  # of 4, 7, 11, 8, 18, 21
+    assert "overhead_vs_decode_only: fork-batch / decode-only 0.95 (min-max 0.80-1.10" in out

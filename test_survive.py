@@ -489,6 +489,10 @@ def test_prompts_that_fill_the_context_are_dropped_and_ppo_trains(tmp_path, caps
     (["--critic-lr", "2"], "--critic-lr 2.0: expected >= 0 and at most 1"),
     (["--sft-lr", "1e30"], "--sft-lr 1e+30: expected >= 0 and at most 1"),
     (["--precision", "fp16"], "--precision 'fp16': expected one of fp32, bf16"),
+    (["--algo", "ppo", "--iterations", "2", "--critic-warmup", "5"],
+     "--critic-warmup 5: at least --iterations 2; the policy would never train"),
+    (["--kl-coef", "-1e-9"], "--kl-coef -1e-09: expected >= 0"),  # argparse took it for an option
+    (["--lr", "-.5"], "--lr -0.5: expected >= 0"),
 ])
 def test_settings_that_would_do_nothing_or_overflow_are_refused(capsys, args, message):
     test_vine.test_bad_setting_gives_one_line_error(capsys, args, message)
@@ -571,6 +575,22 @@ def test_eval_data_and_out_messages_name_their_setting(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=rf"^--out '{tmp_path / 'file'}' is a file, not a directory$"):
         start.prepare_out(train.parse_args(["--out", str(tmp_path / "file")]))
     assert (tmp_path / "file").read_text() == "mine"
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")
+    with pytest.raises(DataError, match=r"is a symbolic link to .*gone', which does not exist$"):
+        start.prepare_out(train.parse_args(["--out", str(tmp_path / "dangling")]))
+
+
+def test_evaluating_on_training_questions_is_said(tmp_path, capsys):
+    """The same .jsonl as --data and --eval-data: one warning with the count."""
+    data = os.path.join(HERE, "fixtures", "gsm8k_sample.jsonl")
+    start_in_process("--out", str(tmp_path), "--data", data, "--eval-data", data, "--sft-steps", "0",
+                     "--eval-problems", "3", "--iterations", "0")
+    said = capsys.readouterr()
+    assert "warning: 3 of the 3 held-out questions are training questions too" in said.out + said.err
+    start_in_process("--out", str(tmp_path / "apart"), "--data", data, "--sft-steps", "0",
+                     "--iterations", "0")  # held out by the hash: no overlap, no warning
+    said = capsys.readouterr()
+    assert "training questions too" not in said.out + said.err
 
 
 def test_a_full_disk_while_writing_tiny_init_is_one_line(tmp_path, monkeypatch):
@@ -689,3 +709,168 @@ def test_a_refused_second_run_leaves_the_first_runs_files(tmp_path):
     assert (out / "tiny-init.tmp").is_dir()  # the first run's, untouched
     assert first.wait(timeout=600) == 0, first.stderr.read()[-2000:]
     assert (out / "tiny-init").is_dir() and (out / "checkpoint").is_dir()
+
+
+# ---- issue 36: what --resume cannot recover or change, and model folders that are not models ----
+
+
+def test_resume_warns_of_a_metrics_row_up_to_the_checkpoint_that_is_gone(tmp_path, capsys):
+    """The checkpoint is at iteration 2, its metrics row was torn: one warning line names it.
+
+    The run goes on (the row cannot be made again); a torn row after the checkpoint, which the
+    resumed run writes again, is not warned of."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 0}\n{"iteration": 1}\n{"iteration": 2, "tr')
+    rows = checkpoint.rows_to_keep(str(tmp_path), {"iteration": 2})
+    assert rows == {str(path): ['{"iteration": 0}\n', '{"iteration": 1}\n']}
+    warning = (f"warning: --resume: {path} has no row for iteration 2 (torn or lost when the run "
+               "stopped); it cannot be recovered, the run goes on without it\n")
+    assert capsys.readouterr().out == warning
+    checkpoint.rows_to_keep(str(tmp_path), {"iteration": 1})
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("flag, value, written", [
+    ("--lr", "2e-05", "0.0001"), ("--critic-lr", "2e-05", "0.0001"), ("--warmup", "0.5", "0.0")])
+def test_resume_with_another_rate_or_warmup_is_refused(tmp_path, tiny, flag, value, written):
+    """A changed rate is refused, naming the rate the restored optimizers and schedules keep.
+
+    It used to go on with the old rate while config.json recorded the new one."""
+    earlier_run(tmp_path, tiny)
+    args = ["--out", str(tmp_path), "--resume"]
+    assert checkpoint.find_resume(train.parse_args([*args, flag, written]))[1]["iteration"] == 1
+    with pytest.raises(DataError) as refused:
+        checkpoint.find_resume(train.parse_args([*args, flag, value]))
+    assert str(refused.value) == (f"--resume: {tmp_path} was written with {flag} {written}, "
+                                  f"not {value}; its optimizers and LR schedules were built "
+                                  f"with {written}")
+
+
+def test_a_folder_without_a_tokenizer_or_a_gguf_directory_is_said_so(tmp_path, tiny, monkeypatch):
+    """A model without its tokenizer files, or a run's folder for its checkpoint/, named the backend
+    tokenizer; a directory named x.gguf was 'no such file'."""
+    import diagnose
+    monkeypatch.chdir(tmp_path)
+    tiny[1].save_pretrained(tmp_path / "weights")  # no tokenizer files
+    missing = r"\(missing: tokenizer.json, tokenizer_config.json\)"
+    with pytest.raises(DataError, match=rf"^--checkpoint 'weights': no tokenizer in it {missing}; "
+                                        "a run's checkpoint/ holds them"):
+        checkpoint.load_model("weights", "cpu", flag="--checkpoint")
+    with pytest.raises(DataError, match=r"^--resume: weights cannot be loaded \(no tokenizer"):
+        checkpoint.load_model("weights", "cpu", resuming=True)
+    earlier_run(tmp_path / "run", tiny)
+    with pytest.raises(DataError) as refused:
+        diagnose.main(["--checkpoint", "run"])
+    assert str(refused.value) == ("--checkpoint 'run': a run's folder, not a model (missing: "
+                                  "tokenizer.json, tokenizer_config.json); its checkpoint/ holds "
+                                  "them, with the weights: give run/checkpoint")
+    (tmp_path / "x.gguf").mkdir()
+    with pytest.raises(DataError, match=r"^--model 'x.gguf': a directory, not a .gguf file$"):
+        checkpoint.load_model("x.gguf", "cpu")
+
+
+def no_runs(monkeypatch):
+    """compare.py as a test sees it: any run or subprocess it starts fails the test."""
+    import compare
+
+    def started(*args, **kwargs):
+        raise AssertionError(f"a run started: {args}")
+    monkeypatch.setattr(compare, "run", started)
+    monkeypatch.setattr(compare.subprocess, "Popen", started)
+    return compare
+
+
+@pytest.mark.parametrize("variants, message", [
+    (["grpo-o=--out runs/victim"], "--out: compare.py's own"),
+    (["grpo-s=--seed 5"], "--seed: compare.py's own"),
+    (["grpo-s=--se=5"], "--seed: compare.py's own"),  # argparse's abbreviation of --seed
+    (["grpo-y=--algo vineppo"], "--algo: compare.py's own"),
+    (["grpo-w=--lr 1e-4 --overwrite"], "--overwrite: compare.py's own"),
+    (["grpo-r=--resume"], "--resume: compare.py's own"),
+    (["grpo-/../../../esc=--lr 1e-4"], "NAME 'grpo-/../../../esc' names the runs' folders"),
+    (["grpo-x=--chat --system 'two"], "FLAGS, split as a shell does: No closing quotation"),
+    (["grpo-x=--foo 1"], "unrecognized arguments: --foo 1"),
+    (["grpo-x=--lr abc"], "argument --lr: invalid float value: 'abc'"),
+    (["grpo-x=--samples-per-prompt 1"], "--samples-per-prompt 1: GRPO's advantage"),
+    (["grpo-a=--lr 1", "grpo-a=--lr 0"], "expected a NAME of its own, 'grpo-a' is a duplicate"),
+])
+def test_compare_variants_are_checked_before_any_run(monkeypatch, capsys, tmp_path, variants,
+                                                      message):
+    """A bad --variant is refused in one line before the SFT start, or any run, begins."""
+    compare = no_runs(monkeypatch)
+    argv = ["--out", str(tmp_path), "--chains", "6-8", "--seeds", "0,1", "--jobs", "1"]
+    monkeypatch.setattr(sys, "argv", ["compare.py", *argv,
+                                      *[x for v in variants for x in ("--variant", v)]])
+    with pytest.raises(SystemExit) as stop:
+        compare.main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --variant {variants[-1]!r}: {message}"), err
+    assert os.listdir(tmp_path) == []
+
+
+def test_compare_seeds_are_distinct(monkeypatch, capsys):
+    """--seeds 0,0 would count one run twice, as two seeds that agree: refused in one line."""
+    compare = no_runs(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--seeds", "0,0", "--jobs", "1"])
+    with pytest.raises(SystemExit) as stop:
+        compare.main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == "error: --seeds '0,0': a seed given twice; " \
+                                           "expected distinct seeds\n", err
+
+
+def test_compare_variant_runs_get_their_own_out_seed_and_algo(monkeypatch, capsys, tmp_path):
+    """A variant's flags reach train.py split as a shell splits them.
+    Every run's --out, --seed and --algo are compare.py's: its folder, its seed, NAME's algorithm.
+    """
+    import compare
+    calls = []
+    monkeypatch.setattr(compare, "run", lambda out, *args, seconds=0.0: calls.append((out, args)))
+
+    class Done(Exception):
+        pass
+
+    def curve(out, metric):
+        raise Done
+    monkeypatch.setattr(compare, "curve", curve)  # every run is started: stop before the report
+    flags = "--lr \"1e-4\" --chat --system 'two words'"
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--out", str(tmp_path), "--chains", "6-8",
+                                      "--seeds", "0,1", "--algos", "vineppo", "--jobs", "1",
+                                      "--variant", f"grpo-q={flags}"])
+    with pytest.raises(Done):
+        compare.main()
+    outs = [os.path.relpath(out, tmp_path) for out, _ in calls]
+    assert outs == ["chains6-8/sft", "chains6-8/vineppo-seed0", "chains6-8/grpo-q-seed0",
+                    "chains6-8/vineppo-seed1", "chains6-8/grpo-q-seed1"], outs
+    for out, args in calls[1:]:  # the command line run() gives train.py
+        cfg = train.parse_args(["--out", out, "--overwrite", *args])
+        name, seed = os.path.basename(out).rsplit("-seed", 1)
+        assert (cfg.out, cfg.seed, cfg.algo) == (out, int(seed), name.split("-")[0])
+        if name == "grpo-q":
+            assert (cfg.lr, cfg.chat, cfg.system) == (1e-4, True, "two words")
+    capsys.readouterr()
+
+
+def test_compare_marks_finished_only_a_run_that_was_written(monkeypatch, capsys, tmp_path):
+    """A train.py that exits 0 without its run folder: one line and exit 1.
+    Not a FileNotFoundError traceback for the `finished` mark.
+    """
+    import compare
+
+    class Ended:
+        returncode = 0
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def poll(self):
+            return 0
+    monkeypatch.setattr(compare.subprocess, "Popen", Ended)
+    out = str(tmp_path / "never-written")
+    with pytest.raises(SystemExit) as stop:
+        compare.run(out, "--iterations", "0")
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err == f"error: train.py ended without writing its run " \
+                                           f"to {out!r}\n", err
+    assert not os.path.exists(out)

@@ -127,3 +127,18 @@ def test_mc_settings_command_end_to_end(tiny, tmp_path, capsys):
     within = {n: r["mc_tokens"] for n, r in rows.items() if r["value_mae"] <= fixed + 0.02}
     assert result["cheapest_within_0.02"] == min((tokens, n) for n, tokens in within.items())[1]  # ties: by name
     assert result["cheapest_within_0.02"] in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trace", "--group", "1"], "--group 1: GRPO's advantage is a reward less its group's mean, "
+                                  "always 0 in a group of one; give at least 2"),
+    (["--k", "1,1,2"], "argument --k: '1,1,2': 1 given twice; expected each K once"),
+    (["--k", "3,1,3,1"], "argument --k: '3,1,3,1': 1, 3 given twice; expected each K once"),
+])
+def test_diagnose_refuses_a_trace_group_of_one_and_a_repeated_k(capsys, args, message):
+    """Issue 36 item 14: one line and exit 2, as train.py refuses GRPO's group of one."""
+    with pytest.raises(SystemExit) as stop:
+        diagnose.parse_args(["--checkpoint", "x", *args])
+    assert stop.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+    assert diagnose.parse_args(["--checkpoint", "x", "--group", "1"]).group == 1  # no GRPO here
+    assert diagnose.parse_args(["--checkpoint", "x", "--k", "1,2"]).k == [1, 2]

@@ -879,8 +879,11 @@ def test_short_chains_and_jsonl_without_eval_data_hold_out_a_split(tmp_path, cap
     assert test and not {p["question"] for p in train} & {p["question"] for p in test}
     assert len(load_problems(str(path), "test")) == 50  # with --eval-data: the file as it is
     path.write_text(json.dumps({"question": "q0", "answer": "#### 0"}) + "\n")  # q0 is a training question
-    with pytest.raises(DataError, match="too few problems to hold out a test split; give --eval-data"):
+    capsys.readouterr()
+    with pytest.raises(DataError, match=r"its 1 problems \(1 distinct questions\) leave the test "
+                                        "split empty .*; give --eval-data"):
         load_problems(str(path), "test", hold_out=True)
+    assert "is held out" not in capsys.readouterr().out  # refused, not announced first
 
 
 def test_trap_chains_err_exactly_as_designed():

@@ -95,7 +95,7 @@ def chat_tok(tmp_path_factory):
 
 def settings(**given):
     return types.SimpleNamespace(**{**dict(prompt_template="", chat=False, system="", answer="hash",
-                                           model="m"), **given})
+                                           model="m", max_prompt_tokens=1512), **given})
 
 
 def problems():
@@ -108,7 +108,7 @@ def test_prompt_template_chat_turn_and_style_reach_every_problem(chat_tok):
     prompts.pose_problems(settings(), plain, ps)  # the defaults: the data's own prompt, BOS + its tokens
     assert ps[0]["prompt"] == "What is 2+3?\n" and ps[0]["prompt_ids"] == prompts.encode_prompt(plain, "What is 2+3?\n")
     assert ps[0]["style"] == "hash"
-    prompts.pose_problems(settings(prompt_template="Q: {question}\nPut it in \\boxed{}.", answer="boxed"), plain, ps)
+    prompts.pose_problems(settings(prompt_template="Q: {question}\nPut it in \\boxed{{}}.", answer="boxed"), plain, ps)
     assert ps[0]["prompt"] == "Q: What is 2+3?\nPut it in \\boxed{}." and ps[0]["style"] == "boxed"
     prompts.pose_problems(settings(chat=True, system="Be brief."), tok, ps)
     text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
@@ -301,3 +301,101 @@ def test_the_readme_snippet_runs_on_the_real_model(tmp_path):
         model.save_pretrained(folder)
         tok.save_pretrained(folder)
     test_snippet.check_step_advantages(test_snippet.run_snippet(tmp_path, save))
+
+
+# ---- the prompt template: a format string, checked before any work ------------------------------
+
+def refusal(capsys, args) -> str:
+    """The one line of parse_args's refusal of these settings."""
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_an_empty_template_file_is_refused_as_one_without_question_is(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("  \n\t\n")
+    for name, says in [("empty.txt", "is empty"), ("blank.txt", "holds only white space")]:
+        err = refusal(capsys, ["--prompt-template", f"@{tmp_path / name}"])
+        assert err.startswith(f"error: --prompt-template @{tmp_path / name}: ") and says in err
+        assert "expected a template holding {question}" in err
+
+
+class Counting:
+    """A tokenizer that counts the characters it is asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.chars = tok, 0
+
+    def __call__(self, text, **kwargs):
+        self.chars += len(text) if isinstance(text, str) else sum(map(len, text))
+        return self.tok(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+TOO_LONG = [  # (template, the model's context, what the refusal says)
+    ("x" * 1_000_000 + "{question}", None, "1000010 characters cannot fit --max-prompt-tokens"),
+    ("x" * 2000 + "{question}", None, "2001 tokens without the question, over --max-prompt-tokens"),
+    ("x" * 600 + "{question}", 512, "601 tokens without the question, over the model's context"),
+]
+
+
+def test_a_template_too_long_for_the_context_is_refused_before_it_is_encoded(chat_tok):
+    counting = Counting(chat_tok[1])  # the tiny model's: a token holds at most 5 characters
+    for template, context, says in TOO_LONG:
+        with pytest.raises(reward.DataError) as e:
+            given = {"context": context} if context else {}  # the model's context, if it has one
+            prompts.pose_problems(settings(prompt_template=template), counting, problems(), **given)
+        assert says in str(e.value) and "\n" not in str(e.value)
+    assert counting.chars < 3000  # the 1 MB template was never encoded, the others once
+
+
+NOT_TEMPLATES = [  # (--prompt-template, the start of what its refusal says)
+    ("{foo} {question}", "unknown field {foo}"), ("{0}{question}", "unknown field {0}"),
+    ("\\boxed{} {question}", "unknown field {}"), ("{question!r}", "{question!r} has a conversion"),
+    ("{question:>9}", "{question:>9} has a format spec"),
+    ("{question", "not a format string (expected '}' before end of string)"),
+    ("} {question}", "not a format string (Single '}'"), ("{{question}}", "expected"),
+]
+
+
+def test_the_template_is_a_format_string_whose_only_field_is_question(chat_tok, capsys):
+    tiny = chat_tok[1]
+    for template, says in NOT_TEMPLATES:
+        err = refusal(capsys, ["--prompt-template", template])
+        assert err.startswith(f"error: --prompt-template {template!r}: {says}"), err
+        assert "a template holding {question}, its only field ({{ and }} write a brace" in err
+        with pytest.raises(reward.DataError, match="^--prompt-template '"):
+            prompts.pose_problems(settings(prompt_template=template), tiny, problems())
+    ps = problems()
+    template = "{{{question}}} in \\boxed{{}}: {question}"
+    prompts.pose_problems(settings(prompt_template=template), tiny, ps)
+    assert ps[0]["prompt"] == "{What is 2+3?} in \\boxed{}: What is 2+3?"
+    prompts.pose_problems(settings(prompt_template=reward.PROMPT), tiny, ps)  # MATH's own
+    assert ps[0]["prompt"] == reward.PROMPT.format(question="What is 2+3?")
+
+
+def test_characters_the_tokenizer_cannot_encode_are_named_once(chat_tok, capsys):
+    import copy
+    import tokenizers
+    import test_realpath
+    tiny = chat_tok[1]
+    ps = [{**problems()[0], "question": "What is 2+3 €?"}]
+    prompts.pose_problems(settings(prompt_template="问题: {question}\n"), tiny, ps)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("warning: the tokenizer of --model 'm' cannot")
+    assert out.endswith("'€', '问', '题': read as '<unk>'\n")
+    prompts.pose_problems(settings(prompt_template="Q: {question}\n"), tiny, problems())
+    dropping = copy.deepcopy(tiny)  # a normalizer that removes a character
+    dropping.backend_tokenizer.normalizer = tokenizers.normalizers.Replace("é", "")
+    prompts.pose_problems(settings(prompt_template="Qé: {question}\n"), dropping, problems())
+    assert capsys.readouterr().out.endswith(": 'é': dropped\n")  # ASCII alone said nothing
+    texts = [p["question"] for p in test_realpath.FIXTURE]
+    for make in (test_realpath.llama_style_tokenizer, test_realpath.byte_level_tokenizer):
+        tok = make(texts)
+        prompts.pose_problems(settings(prompt_template="问题: {question} €"), tok, problems())
+    assert capsys.readouterr().out == ""  # byte fallback and byte-level BPE encode every one

@@ -63,7 +63,8 @@ TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
 # AdamW moves every weight by about lr a step (its update is lr times a ratio of moments near +-1):
 # above 1 a step outweighs any weight of a language model, and near float32's limit it overflows
 LR = (lambda v: 0 <= v <= 1, ">= 0 and at most 1 (AdamW moves each weight by about lr a step)")
-TEMPLATE = (lambda v: v == "" or "{question}" in v, "a template holding {question}, e.g. 'Q: {question}\\nA:'")
+# --prompt-template: a str.format string whose only field is {question} (prompts.template_problem)
+TEMPLATE = (lambda v: v == "" or prompts.template_problem(v) is None, prompts.EXPECTED)
 
 
 @dataclasses.dataclass
@@ -74,7 +75,8 @@ class Config:
     data: str = arg("arith", "'arith' (built-in), 'gsm8k', 'math' (hub), or a .jsonl of question/answer "
                              "(GSM8K) or problem/solution (MATH)")
     eval_data: str = arg("", "held-out problems; default: the test split of --data (for .jsonl: the same file)")
-    prompt_template: str = arg("", "the prompt: a format string holding {question}, or @FILE holding one "
+    prompt_template: str = arg("", "the prompt: a str.format string whose only field is {question} "
+                                   "({{ and }} write a brace, as in \\boxed{{}}), or @FILE holding one "
                                    "(default: the data's own; with --chat the question alone)", TEMPLATE)
     chat: bool = arg(False, "the prompt as a user turn of the tokenizer's chat template (an instruct model)")
     system: str = arg("", "with --chat: a system turn before it")
@@ -283,6 +285,7 @@ def parse_args(argv=None) -> Config:
         kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
         shown = settings.help_text(f, PRESETS)  # the help and the default
         p.add_argument("--" + f.name.replace("_", "-"), default=None, help=shown, **kind)
+    argv = settings.join_negative_numbers(sys.argv[1:] if argv is None else argv)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     prompts.read_template_file(given, p.error)
     math_data = reward.is_math_data(given.get("data", Config.data))
@@ -310,6 +313,9 @@ def parse_args(argv=None) -> Config:
     if cfg.critic_warmup and cfg.algo not in ("ppo", "tppo"):
         p.error(f"--critic-warmup {cfg.critic_warmup}: only ppo and tppo have a critic to warm up; "
                 f"under {cfg.algo} the policy would stand still for {cfg.critic_warmup} iterations")
+    if cfg.critic_warmup and cfg.critic_warmup >= cfg.iterations > 0:
+        p.error(f"--critic-warmup {cfg.critic_warmup}: at least --iterations {cfg.iterations}; "
+                "the policy would never train (give fewer warm-up iterations or more iterations)")
     if cfg.algo == "grpo" and cfg.samples_per_prompt == 1:
         p.error("--samples-per-prompt 1: GRPO's advantage is a reward less its group's mean, "
                 "always 0 in a group of one; give at least 2")
