@@ -1,4 +1,5 @@
-"""Tests of diagnose.py --trace: its numbers against hand computation on scripted samples, and the command."""
+"""Tests of diagnose.py --trace: its numbers against hand computation on scripted samples, and the
+command."""
 import json
 import math
 
@@ -26,11 +27,13 @@ CONTINUATIONS = {"": [RIGHT, RIGHT, RIGHT, WRONG],
 def tiny(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny") / "model")
     checkpoint.build_tiny_model(path, seed=0)
-    return path, AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    return (path, AutoTokenizer.from_pretrained(path),
+            AutoModelForCausalLM.from_pretrained(path).eval())
 
 
 def scripted(monkeypatch, tok, group=GROUP, continuations=CONTINUATIONS):
-    """rollout.sample replaced: k = len(group) samples the group, else the continuations of the state."""
+    """rollout.sample replaced: k = len(group) samples the group, else the continuations of the
+    state."""
     prompt_len = len(diagnose.encode_prompt(tok, PROMPT))
 
     def fake_sample(model, prefixes, k, budgets, sampling, **kw):
@@ -60,28 +63,34 @@ def test_trace_numbers_match_hand_computation(tiny, monkeypatch):
     # V_hat(s_i) the mean of the K rewards, its standard error sqrt(p(1-p)/K) by hand
     assert [r["rewards"] for r in rows] == [[1, 1, 1, 0], [1, 0, 1, 0], [0, 0, 0, 0]]
     assert [r["value"] for r in rows] == [0.75, 0.5, 0.0]
-    assert [r["se"] for r in rows] == pytest.approx([math.sqrt(0.75 * 0.25 / 4), math.sqrt(0.5 * 0.5 / 4), 0.0])
+    assert [r["se"] for r in rows] == pytest.approx([math.sqrt(0.75 * 0.25 / 4),
+                                                     math.sqrt(0.5 * 0.5 / 4), 0.0])
     # A_i = V_hat(s_{i+1}) - V_hat(s_i), + R at the last; the sum telescopes to R - V_hat(s_0)
     assert [r["vineppo"] for r in rows] == pytest.approx([0.5 - 0.75, 0.0 - 0.5, 0.0 + 0.0 - 0.0])
     assert sum(r["vineppo"] for r in rows) == pytest.approx(0.0 - rows[0]["value"])
     # GRPO: (R - mean) / std of the group's rewards 1 0 1 0 1, on every step
-    assert [r["grpo"] for r in rows] == pytest.approx([(0 - 0.6) / math.sqrt(0.6 * 0.4)] * 3, abs=1e-5)
-    # the critic read at each boundary, and the mean of R - V(s_t) over the step's tokens (GAE, lambda = 1)
+    assert [r["grpo"] for r in rows] == pytest.approx([(0 - 0.6) / math.sqrt(0.6 * 0.4)] * 3,
+                                                      abs=1e-5)
+    # the critic read at each boundary, and the mean of R - V(s_t) over the step's tokens
+    # (GAE, lambda = 1)
     prompt, response = group[wrong].prompt_ids, group[wrong].response_ids
     v = [diagnose.critic_value(critic, prompt, response[:t], 0) for t in range(len(response))]
     assert len(set(round(x, 3) for x in v)) > 3  # the check below can tell the states apart
     bounds = [0, 6, 12, len(response)]
     assert [r["critic_value"] for r in rows] == pytest.approx([v[b] for b in bounds[:3]], abs=1e-5)
     assert [r["ppo"] for r in rows] == pytest.approx([0.0 - sum(v[lo:hi]) / (hi - lo)
-                                                      for lo, hi in zip(bounds, bounds[1:])], abs=1e-5)
+                                                      for lo, hi in zip(bounds, bounds[1:])],
+                                                     abs=1e-5)
 
 
 def test_first_wrong_answer_skips_right_groups_and_says_none(tiny, monkeypatch):
     _, tok, policy = tiny
     sampling = scripted(monkeypatch, tok, group=[RIGHT, RIGHT])
-    problems = [{"question": PROMPT.strip(), "prompt": PROMPT, "answer": a} for a in (GOLD, "#### 7")]
+    problems = [{"question": PROMPT.strip(), "prompt": PROMPT, "answer": a}
+                for a in (GOLD, "#### 7")]
     index, group, wrong = diagnose.first_wrong_answer(policy, problems, 2, sampling)
-    assert (index, wrong) == (1, 0)  # all right on the first problem; wrong against the second's gold
+    # all right on the first problem; wrong against the second's gold
+    assert (index, wrong) == (1, 0)
     assert diagnose.first_wrong_answer(policy, problems[:1], 2, sampling) is None
 
 
@@ -91,20 +100,23 @@ def test_trace_command_end_to_end(tiny, tmp_path, capsys):
     critic = value.Critic(policy.base_model, "tracking")
     torch.nn.init.normal_(critic.head.weight, std=0.1)  # not the zero start: values that differ
     checkpoint.save_checkpoint(str(tmp_path), policy, tok, critic=critic, name="tppo")
-    args = ["--trace", "--checkpoint", path, "--out", str(tmp_path), "--trace-k", "2", "--group", "2",
-            "--tries", "1", "--max-new-tokens", "12"]
+    args = ["--trace", "--checkpoint", path, "--out", str(tmp_path), "--trace-k", "2",
+            "--group", "2", "--tries", "1", "--max-new-tokens", "12"]
     diagnose.main(args + ["--critic-checkpoint", str(tmp_path / "tppo")])
     printed = capsys.readouterr().out
     assert "the tracking critic saved in" in printed and "VinePPO A_i" in printed
     t = json.load(open(tmp_path / "trace.json"))
     steps = t["steps"]
-    assert t["reward"] == 0 and "".join(r["text"] for r in steps) == t["response"]  # random weights: wrong
+    # random weights: wrong
+    assert t["reward"] == 0 and "".join(r["text"] for r in steps) == t["response"]
     assert sum(r["vineppo"] for r in steps) == pytest.approx(t["reward"] - steps[0]["value"])
     # the critic shown is the saved one: its V(s_0), read here from the prompt alone
     saved = checkpoint.load_critic(str(tmp_path / "tppo"), "cpu")
     prompt = diagnose.encode_prompt(tok, load_problems("arith", "test")[t["problem"]]["prompt"])
-    assert steps[0]["critic_value"] == pytest.approx(diagnose.critic_value(saved, prompt, [], 0), abs=1e-5)
-    assert steps[0]["critic_value"] != pytest.approx(0.5, abs=1e-3)  # not the zero-initialised head's
+    assert steps[0]["critic_value"] == pytest.approx(diagnose.critic_value(saved, prompt, [], 0),
+                                                     abs=1e-5)
+    # not the zero-initialised head's
+    assert steps[0]["critic_value"] != pytest.approx(0.5, abs=1e-3)
     diagnose.main(args)  # no critic anywhere: the untrained one, said so
     assert "UNTRAINED" in capsys.readouterr().out
     with pytest.raises(DataError, match="no critic/ inside"):
@@ -112,12 +124,14 @@ def test_trace_command_end_to_end(tiny, tmp_path, capsys):
 
 
 def test_mc_settings_command_end_to_end(tiny, tmp_path, capsys):
-    """diagnose.py --mc-settings: every setting measured on one batch; fixed K spends exactly K per state,
-    top-up at most K; the named setting is the cheapest within 0.02 of fixed K's value MAE."""
+    """diagnose.py --mc-settings: every setting measured on one batch; fixed K spends exactly K
+    per state, top-up at most K; the named setting is the cheapest within 0.02 of fixed K's
+    value MAE."""
     path, _, _ = tiny
     torch.manual_seed(0)
-    diagnose.main(["--mc-settings", "--checkpoint", path, "--out", str(tmp_path), "--trajectories", "2",
-                   "--group", "3", "--gt-rollouts", "4", "--repeats", "1", "--max-new-tokens", "12"])
+    diagnose.main(["--mc-settings", "--checkpoint", path, "--out", str(tmp_path),
+                   "--trajectories", "2", "--group", "3", "--gt-rollouts", "4", "--repeats", "1",
+                   "--max-new-tokens", "12"])
     result = json.load(open(tmp_path / "mc_settings.json"))
     rows = result["settings"]
     assert set(rows) == set(diagnose.settings_to_compare(4)) and result["episodes"] == 6
@@ -125,7 +139,8 @@ def test_mc_settings_command_end_to_end(tiny, tmp_path, capsys):
     assert rows["reuse+top-up K=4"]["per_state"] <= 4 and rows["reuse K=4"]["per_state"] == 4
     fixed = rows["fixed K=4"]["value_mae"]
     within = {n: r["mc_tokens"] for n, r in rows.items() if r["value_mae"] <= fixed + 0.02}
-    assert result["cheapest_within_0.02"] == min((tokens, n) for n, tokens in within.items())[1]  # ties: by name
+    # ties: by name
+    assert result["cheapest_within_0.02"] == min((tokens, n) for n, tokens in within.items())[1]
     assert result["cheapest_within_0.02"] in capsys.readouterr().out
 
 

