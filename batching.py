@@ -1,14 +1,16 @@
 """Batches of least padding: how `rollout.sample` cuts its states into `generate` calls, and how the
-log-prob, value and reference passes cut episodes into forward passes, within a token budget. Needs no
-sibling. All engineering: a first reading may skip this file."""
+log-prob, value and reference passes cut episodes into forward passes, within a token budget. Needs
+no sibling. All engineering: a first reading may skip this file."""
 
 
-def least_padding(lengths: list[int], budgets: list[int], rows: list[int], max_tokens: int, overhead: int = 0):
-    """Batches (lists of item indices) of least padding plus `overhead` tokens per batch (fewest batches on a
-    tie): item j is rows[j] rows of lengths[j] tokens and room for budgets[j] new ones; a batch costs its rows
-    x (longest length + largest budget) tokens, at most max_tokens (an item over it goes alone). A dynamic
-    programme over the cut points of the items sorted by length: best[i], the cheapest batching of the
-    first i, is best[j] plus the cost of batch j..i-1 at the best j."""
+def least_padding(lengths: list[int], budgets: list[int], rows: list[int], max_tokens: int,
+                  overhead: int = 0):
+    """Batches (lists of item indices) of least padding plus `overhead` tokens per batch (fewest
+    batches on a tie): item j is rows[j] rows of lengths[j] tokens and room for budgets[j] new ones;
+    a batch costs its rows x (longest length + largest budget) tokens, at most max_tokens (an item
+    over it goes alone). A dynamic programme over the cut points of the items sorted by length:
+    best[i], the cheapest batching of the first i, is best[j] plus the cost of batch j..i-1 at the
+    best j."""
     order = sorted(range(len(lengths)), key=lambda j: (lengths[j], budgets[j]))
     best, cut = [(0, 0)] + [None] * len(order), [0] * (len(order) + 1)  # best[i]: (tokens, batches)
     for i in range(1, len(order) + 1):
@@ -31,17 +33,18 @@ def least_padding(lengths: list[int], budgets: list[int], rows: list[int], max_t
 
 
 def padding_fraction(batches, lengths: list[int], budgets: list[int], rows: list[int]) -> float:
-    """The share of padding in the tokens of least_padding's batches (a batch's rows x its widest)."""
+    """The share of padding in the tokens of least_padding's batches
+    (a batch's rows x its widest)."""
     total = sum(sum(rows[j] for j in b) * (max(lengths[j] for j in b) + max(budgets[j] for j in b))
                 for b in batches)
     return 1 - sum(r * (n + b) for r, n, b in zip(rows, lengths, budgets)) / total if total else 0.0
 
 
 def batch_overhead(model) -> int:
-    """What one more generate batch costs, in padded positions: a decoding step reads every weight once per
-    batch, and each cached position's keys and values once per row and layer, so a batch costs what
-    params / (2 layers x key/value width) padded positions do (bench.py's 58M model: 7,089; fitted to its
-    decoding times on a CPU: 8,055)."""
+    """What one more generate batch costs, in padded positions: a decoding step reads every weight
+    once per batch, and each cached position's keys and values once per row and layer, so a batch
+    costs what params / (2 layers x key/value width) padded positions do (bench.py's 58M model:
+    7,089; fitted to its decoding times on a CPU: 8,055)."""
     config = model.config
     heads = config.num_attention_heads
     width = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -50,16 +53,19 @@ def batch_overhead(model) -> int:
 
 
 def group_chunks(episodes, max_tokens: int, overhead: int | None = None):
-    """Episodes in batches of at most max_tokens (rows x longest) and least padding plus `overhead` tokens
-    per batch (least_padding; None: the fewest batches, as each is a log-prob pass and, for VinePPO, its
-    own MC sample calls), never splitting a prompt's samples (identical states meet); in episode order."""
+    """Episodes in batches of at most max_tokens (rows x longest) and least padding plus `overhead`
+    tokens per batch (least_padding; None: the fewest batches, as each is a log-prob pass and, for
+    VinePPO, its own MC sample calls), never splitting a prompt's samples (identical states meet);
+    in episode order."""
     members = {}  # group -> its episodes' indices
     for e, ep in enumerate(episodes):
         members.setdefault(ep.group, []).append(e)
     groups = list(members.values())
-    lengths = [max(len(episodes[e].prompt_ids) + len(episodes[e].response_ids) for e in g) for g in groups]
+    lengths = [max(len(episodes[e].prompt_ids) + len(episodes[e].response_ids) for e in g)
+               for g in groups]
     if overhead is None:  # more than any batching's padding: a batch fewer always wins
         overhead = 1 + max(lengths, default=0) * len(episodes)
-    batches = least_padding(lengths, [0] * len(groups), list(map(len, groups)), max_tokens, overhead)
+    batches = least_padding(lengths, [0] * len(groups), list(map(len, groups)), max_tokens,
+                            overhead)
     for indices in sorted(sorted(e for g in batch for e in groups[g]) for batch in batches):
         yield [episodes[e] for e in indices]

@@ -1,6 +1,7 @@
-"""Several processes under torchrun (DDP, or FSDP2 with --fsdp); in one process, identities and plain calls.
-Also an iteration's metrics row, merged over the processes and logged by the first. Needs no sibling.
-All engineering: a first reading may skip this file (and every line that mentions it)."""
+"""Several processes under torchrun (DDP, or FSDP2 with --fsdp); in one process, identities and
+plain calls. Also an iteration's metrics row, merged over the processes and logged by the first.
+Needs no sibling. All engineering: a first reading may skip this file (and every line that
+mentions it)."""
 import json
 import os
 import time
@@ -10,28 +11,33 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+                                                     get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 
 def init(device: torch.device):
-    """(rank, world size, device); under torchrun, joins the process group (NCCL on GPUs, else gloo)."""
+    """(rank, world size, device); under torchrun, joins the process group
+    (NCCL on GPUs, else gloo)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-        # others wait while the first writes a checkpoint (~26 GB for PPO at 1.1B): 10 minutes can be too few
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=60),
+        # others wait while the first writes a checkpoint (~26 GB for PPO at 1.1B):
+        # 10 minutes can be too few
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(minutes=60),
                                 device_id=device if device.type == "cuda" else None)
     return rank, world, device
 
 
 def close():
     if dist.is_initialized():
-        dist.barrier()  # no process tears its connections down while another still writes its checkpoint
+        # no process tears its connections down while another still writes its checkpoint
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -63,7 +69,8 @@ def gather(obj) -> list:
 
 
 def merge_metrics(rows: list[tuple[dict, dict, dict]]) -> dict:
-    """One metrics row from every process's (counts, means, times): summed, averaged, the slowest's."""
+    """One metrics row from every process's (counts, means, times):
+    summed, averaged, the slowest's."""
     counts, means, times = rows[0]
     merged = {k: sum(r[0][k] for r in rows) for k in counts}
     for k in means:
@@ -74,11 +81,13 @@ def merge_metrics(rows: list[tuple[dict, dict, dict]]) -> dict:
 
 
 def wrap(model, fsdp: bool, device):
-    """What the update calls: DDP around the model, or the model sharded in place (fsdp); optimizers after."""
+    """What the update calls: DDP around the model, or the model sharded in place (fsdp);
+    optimizers after."""
     if not dist.is_initialized() or isinstance(model, FSDPModule):
         return model
     if not fsdp:
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(model,
+                                       device_ids=[device.index] if device.type == "cuda" else None)
     for layer in model.modules():
         if type(layer).__name__.endswith("DecoderLayer"):
             fully_shard(layer)
@@ -88,8 +97,10 @@ def wrap(model, fsdp: bool, device):
 
 @contextmanager
 def whole(*models):
-    """FSDP: full weights while processes run different numbers of forward passes (no all-gathers)."""
-    shards = [m for model in models if model is not None for m in model.modules() if isinstance(m, FSDPModule)]
+    """FSDP: full weights while processes run different numbers of forward passes
+    (no all-gathers)."""
+    shards = [m for model in models if model is not None for m in model.modules()
+              if isinstance(m, FSDPModule)]
     for m in shards:
         m.unshard()
         m.set_reshard_after_forward(False)
@@ -109,7 +120,8 @@ def full_state_dict(model) -> dict:
 
 
 def optimizer_state(model, optim) -> dict:
-    """What --resume needs of an optimizer; for FSDP the full state, gathered on the first process."""
+    """What --resume needs of an optimizer; for FSDP the full state,
+    gathered on the first process."""
     if isinstance(model, FSDPModule):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(model, optim, options=options)
@@ -124,11 +136,13 @@ def load_optimizer_state(model, optim, saved: dict):
         optim.load_state_dict(saved)
 
 
-# ---- an iteration's metrics row: merged over the processes, logged by the first ----------------------
+# ---- an iteration's metrics row: merged over the processes, logged by the first ------------------
 
-TRAINING = ("time_rollout", "time_logprobs", "time_mc_values", "time_critic_values", "time_advantages",
-            "time_reference", "time_update")  # their sum: `seconds`, what compare.py's equal wall-clock counts
-PHASES = (*TRAINING, "time_eval", "time_save")  # time_save: the previous iteration's log and checkpoint
+# their sum: `seconds`, what compare.py's equal wall-clock counts
+TRAINING = ("time_rollout", "time_logprobs", "time_mc_values", "time_critic_values",
+            "time_advantages", "time_reference", "time_update")
+# time_save: the previous iteration's log and checkpoint
+PHASES = (*TRAINING, "time_eval", "time_save")
 
 
 class Stopwatch(dict):
@@ -137,7 +151,8 @@ class Stopwatch(dict):
     def __init__(self, previous=None):
         super().__init__(dict.fromkeys(PHASES, 0.0))
         self.began = self.last = time.time()
-        if previous is not None:  # the previous iteration's time after its last lap: its log and checkpoint
+        # the previous iteration's time after its last lap: its log and checkpoint
+        if previous is not None:
             self["time_save"] = self.began - previous.last
 
     def lap(self, phase: str):
@@ -146,17 +161,21 @@ class Stopwatch(dict):
         self.last = now
 
 
-def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy, watch) -> dict:
-    """One metrics row: counts summed over processes, means averaged, times of the slowest process."""
+def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy,
+                      watch) -> dict:
+    """One metrics row: counts summed over processes, means averaged,
+    times of the slowest process."""
     n_tokens = sum(len(ep.response_ids) for ep in episodes)
     counts = {k: stats.pop(k) for k in ("skipped_batches", "nonfinite_skips")}
     counts.update(prompts=len({ep.group for ep in episodes}), episodes=len(episodes),
                   mc_states=mc_counts["mc_states"], mc_continuations=mc_counts["mc_continuations"],
-                  mc_tokens=mc_counts["mc_tokens"], tokens_generated=n_tokens + mc_counts["mc_tokens"])
+                  mc_tokens=mc_counts["mc_tokens"],
+                  tokens_generated=n_tokens + mc_counts["mc_tokens"])
     means = {"train_reward": sum(ep.reward for ep in episodes) / len(episodes), **stats,
              "response_tokens": n_tokens / len(episodes), "lr": policy.scheduler.get_last_lr()[0],
              # the advantages' spread before the update whitens them (this process's tokens)
-             "advantage_std": torch.cat([ep.advantages for ep in episodes]).std(correction=0).item(),
+             "advantage_std":
+                 torch.cat([ep.advantages for ep in episodes]).std(correction=0).item(),
              **diagnostics}
     times = {**watch, "seconds": sum(watch[phase] for phase in TRAINING)}
     return merge_metrics(gather((counts, means, times)))
@@ -170,5 +189,5 @@ def log(out: str, row: dict):
         shown = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()]
         tqdm.write(" ".join(shown))
         if row.get("nonfinite_skips"):
-            tqdm.write(f"warning: iteration {row['iteration']}: {row['nonfinite_skips']} non-finite "
-                       "losses skipped")
+            tqdm.write(f"warning: iteration {row['iteration']}: {row['nonfinite_skips']} "
+                       "non-finite losses skipped")

@@ -1,11 +1,14 @@
-"""Critics: the policy's backbone with an fp32 value head; column t belongs to s_t, the state ending at token t.
+"""Critics: the policy's backbone with an fp32 value head; column t belongs to s_t,
+the state ending at token t.
   - "scalar":   V_t = w.H_t + c, MSE with value clipping (the PPO baseline; as the reference's
                 trainers/ppo_trainer.py, PPOTrainer._compute_critics_loss).
-  - "tracking": TPPO: z_t = b + sum_{P <= i <= t} h_i, V_t = sigmoid(z_t) (b at P-1; a Bayes step per token),
-                BCE-with-logits against the outcome at every state s_0..s_T (s_T trains h at EOS).
+  - "tracking": TPPO: z_t = b + sum_{P <= i <= t} h_i, V_t = sigmoid(z_t) (b at P-1; a Bayes step
+                per token), BCE-with-logits against the outcome at every state s_0..s_T
+                (s_T trains h at EOS).
   - "bce":      z_t = w.H_t + c, the same BCE loss without the sum: the control for the loss alone.
 
-Needs: rollout.py (padding), batching.py (forward batches). All of it is the algorithm of PPO/TPPO."""
+Needs: rollout.py (padding), batching.py (forward batches).
+All of it is the algorithm of PPO/TPPO."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,11 +33,14 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, ids, mask, prompt_lens: torch.Tensor):
-        """fp32 values [B, L-1] ("scalar", GAE's states) or value logits z [B, L] (BCE heads: s_T too)."""
+        """fp32 values [B, L-1] ("scalar", GAE's states) or value logits z [B, L]
+        (BCE heads: s_T too)."""
         hidden = self.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
         if self.head_type == "scalar":
-            hidden = hidden[:, :-1]  # the state after the last token is terminal: GAE takes V = 0 there
-        with torch.autocast(hidden.device.type, enabled=False):  # autocast would recast the head to bf16
+            # the state after the last token is terminal: GAE takes V = 0 there
+            hidden = hidden[:, :-1]
+        # autocast would recast the head to bf16
+        with torch.autocast(hidden.device.type, enabled=False):
             out = self.head(hidden.float()).squeeze(-1)
         return tracking_logits(out, prompt_lens) if self.head_type == "tracking" else out
 
@@ -44,13 +50,15 @@ class Critic(nn.Module):
         return out if self.head_type == "scalar" else torch.sigmoid(out)
 
     def loss_mask(self, action_mask):
-        """The entries the loss averages: the actions' states (scalar), or s_0..s_T (BCE heads: [B, L])."""
+        """The entries the loss averages: the actions' states (scalar),
+        or s_0..s_T (BCE heads: [B, L])."""
         return action_mask if self.head_type == "scalar" else response_states(action_mask)
 
     def loss(self, out, old_values, returns, rewards, mask, clip: float = 0.2, n=None):
-        """(loss, stats): returns [B, L-1] are the scalar head's targets, rewards [B] the BCE heads' (the
-        outcome R: --lam-critic shapes only the scalar head's returns). A mean over the n entries of the
-        minibatch's loss_mask (all micro-batches and processes; default: these rows'): these rows' share."""
+        """(loss, stats): returns [B, L-1] are the scalar head's targets, rewards [B] the BCE heads'
+        (the outcome R: --lam-critic shapes only the scalar head's returns).
+        A mean over the n entries of the minibatch's loss_mask (all micro-batches and processes;
+        default: these rows'): these rows' share."""
         terms = self.loss_mask(mask)
         n = terms.sum().clamp(min=1) if n is None else n
         total = lambda x: (x * terms).sum() / n
@@ -60,25 +68,30 @@ class Critic(nn.Module):
             loss = 0.5 * total(torch.max((out - returns) ** 2, (clipped - returns) ** 2))
             clipfrac = total(((out - old_values).abs() > clip).float()).item()
             return loss, {"value_loss": loss.item(), "value_clipfrac": clipfrac}
-        # BCE-with-logits against the outcome (clamped into [0, 1]) at every state of the response, s_T too
+        # BCE-with-logits against the outcome (clamped into [0, 1])
+        # at every state of the response, s_T too
         target = rewards.clamp(0.0, 1.0)[:, None].expand_as(out)
         loss = total(F.binary_cross_entropy_with_logits(out, target, reduction="none"))
         return loss, {"value_loss": loss.item(), "value_clipfrac": 0.0}
 
 
 @torch.no_grad()
-def critic_values(critic: Critic, episodes: list[rollout.Episode], pad_id: int, forward_batch_tokens: int):
-    """Set ep.critic_values ([T]): V(s_t) before each response token, a forward pass per batch of episodes."""
+def critic_values(critic: Critic, episodes: list[rollout.Episode], pad_id: int,
+                  forward_batch_tokens: int):
+    """Set ep.critic_values ([T]): V(s_t) before each response token,
+    a forward pass per batch of episodes."""
     device = next(critic.parameters()).device
     for chunk in batching.group_chunks(episodes, forward_batch_tokens):
-        ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk], pad_id, device)
+        ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk],
+                                      pad_id, device)
         prompt_lens = torch.tensor([len(ep.prompt_ids) for ep in chunk], device=device)
         for ep, v in zip(chunk, rollout.per_response(critic.values(ids, mask, prompt_lens), chunk)):
             ep.critic_values = v
 
 
 def tracking_logits(o, prompt_lens):
-    """z_t = b + sum_{P <= i <= t} h_i in fp32, b and h_i the head's outputs o [B, L] at P-1 and i >= P."""
+    """z_t = b + sum_{P <= i <= t} h_i in fp32, b and h_i the head's outputs o [B, L]
+    at P-1 and i >= P."""
     pos = torch.arange(o.shape[1], device=o.device)[None, :]
     start = (prompt_lens - 1)[:, None]
     prior = o.gather(1, start)                                  # b: [B, 1]
