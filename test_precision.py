@@ -34,8 +34,8 @@ def llama(tied=False, seed=0):
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
-                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         tie_word_embeddings=tied)
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0, tie_word_embeddings=tied)
     return LlamaForCausalLM(config).eval()
 
 
@@ -53,7 +53,8 @@ def random_seqs(lengths, seed=1):
 
 def test_autocast_context_and_defaults():
     with start.autocast(CPU, "bf16"):
-        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert (torch.is_autocast_enabled("cpu")
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16)
     with start.autocast(CPU, "fp32"):
         assert not torch.is_autocast_enabled("cpu")
     assert start.default_precision(torch.device("cuda")) == "bf16"
@@ -67,20 +68,24 @@ def test_autocast_context_and_defaults():
 @pytest.mark.parametrize("head", value.HEADS)
 def test_critic_head_runs_in_fp32_under_autocast(model, head):
     critic = value.Critic(copy.deepcopy(model.base_model), head)
-    torch.nn.init.normal_(critic.head.weight)  # the tracking head starts at zero: make it non-trivial
+    # the tracking head starts at zero: make it non-trivial
+    torch.nn.init.normal_(critic.head.weight)
     ids = torch.tensor(random_seqs([12, 12]))
     mask, prompt_lens = torch.ones_like(ids), torch.tensor([4, 6])
     with torch.no_grad(), bf16():
         out = critic(ids, mask, prompt_lens)
         values = critic.values(ids, mask, prompt_lens)
         hidden = critic.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
-    if head == "scalar":  # sliced before the head, as the critic does: the same kernels, bit for bit
+    if head == "scalar":
+        # sliced before the head, as the critic does: the same kernels, bit for bit
         hidden = hidden[:, :-1]
-    expected = F.linear(hidden.float(), critic.head.weight, critic.head.bias).squeeze(-1)  # fp32, no autocast
+    # fp32, no autocast
+    expected = F.linear(hidden.float(), critic.head.weight, critic.head.bias).squeeze(-1)
     if head == "tracking":
         expected = value.tracking_logits(expected, prompt_lens)
     assert out.dtype == values.dtype == torch.float32 and torch.equal(out, expected)
-    # what train.py's GAE does with them: fp32 rewards into a zeros_like(values) (bf16 values raised)
+    # what train.py's GAE does with them: fp32 rewards into a zeros_like(values)
+    # (bf16 values raised)
     rewards = torch.tensor([1.0, 0.0])
     torch.zeros_like(values).index_put_((torch.arange(2), torch.tensor([10, 10])), rewards)
 
@@ -99,7 +104,8 @@ def test_bce_gradient_reaches_the_head_output_at_the_last_response_token(model, 
     critic = value.Critic(copy.deepcopy(model.base_model), head)
     torch.nn.init.zeros_(critic.head.weight)
     outputs = []  # the head's output [B, L, 1], kept with its gradient
-    critic.head.register_forward_hook(lambda module, inputs, out: outputs.append(out) or out.retain_grad())
+    critic.head.register_forward_hook(
+        lambda module, inputs, out: outputs.append(out) or out.retain_grad())
     seqs = random_seqs([3 + 4, 2 + 2])  # prompt + response: 3 + 4 and 2 + 2 tokens
     ids, mask = rollout.pad_right(seqs, 0)
     prompt_lens, rewards = torch.tensor([3, 2]), torch.tensor([1.0, 0.0])
@@ -126,10 +132,12 @@ def test_reference_logprobs_equal_the_policy_under_autocast(tied):
     with torch.no_grad(), bf16():
         logp, _ = rollout.token_logprobs(policy, ids, mask, 0.6)
         ref_logp, _ = rollout.token_logprobs(ref, ids, mask, 0.6)
-        whole_bf16, _ = rollout.token_logprobs(copy.deepcopy(policy).to(torch.bfloat16), ids, mask, 0.6)
+        whole_bf16, _ = rollout.token_logprobs(copy.deepcopy(policy).to(torch.bfloat16),
+                                               ids, mask, 0.6)
     assert torch.equal(logp, ref_logp) and ppo.k3_kl(logp, ref_logp).abs().max().item() == 0.0
     assert ppo.k3_kl(logp, whole_bf16).max().item() > 0  # casting everything (the old way) does not
-    assert ref.model.rotary_emb.inv_freq.dtype == ref.model.embed_tokens.weight.dtype == torch.float32
+    assert (ref.model.rotary_emb.inv_freq.dtype == ref.model.embed_tokens.weight.dtype
+            == torch.float32)
     assert ref.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     assert ref.lm_head.weight.dtype == (torch.float32 if tied else torch.bfloat16)
     policy_bytes, ref_bytes = (sum(p.nbytes for p in m.parameters()) for m in (policy, ref))
@@ -144,7 +152,8 @@ def test_fp32_leaves_the_reference_alone(model):
 # ---- E. log-probs a few positions at a time -------------------------------------------------
 
 def test_chosen_logprobs_hand_example():
-    logits = torch.tensor([[[0.0, 3.0], [1.0, 1.0]]])  # temperature 1.5: softmax of [0, 2] and [2/3, 2/3]
+    # temperature 1.5: softmax of [0, 2] and [2/3, 2/3]
+    logits = torch.tensor([[[0.0, 3.0], [1.0, 1.0]]])
     logp = rollout.chosen_logprobs(logits, torch.tensor([[1, 0]]), 1.5, chunk_tokens=1)
     assert logp[0].tolist() == pytest.approx([-math.log(1 + math.exp(-2)), math.log(0.5)], abs=1e-7)
 
@@ -172,7 +181,8 @@ def test_chosen_logprobs_transient_memory(dtype):
             fn()
         return counter.peak - logits.nbytes
 
-    whole = extra_peak(lambda: (logits.float() / 0.6).log_softmax(-1).gather(-1, targets[..., None]))
+    whole = extra_peak(
+        lambda: (logits.float() / 0.6).log_softmax(-1).gather(-1, targets[..., None]))
     chunked = extra_peak(lambda: rollout.chosen_logprobs(logits, targets, 0.6, chunk_tokens=128))
     assert whole >= 2 * 4 * logits.numel() and chunked < whole / 4
 
@@ -182,12 +192,14 @@ def test_chosen_logprobs_transient_memory(dtype):
 def test_fork_buffers_take_the_autocast_dtype(model):
     seqs = random_seqs([30, 17])
     ids, mask = rollout.pad_right(seqs, 0)
-    for context, dtype in [(bf16, torch.bfloat16), (lambda: start.autocast(CPU, "fp32"), torch.float32)]:
+    for context, dtype in [(bf16, torch.bfloat16),
+                           (lambda: start.autocast(CPU, "fp32"), torch.float32)]:
         with torch.no_grad(), context():
             _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
             _, _, forked = rollout.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5, pad_id=0)
         assert {x.dtype for layer in forked.layers for x in (layer.keys, layer.values)} == {dtype}
-    assert cache.layers[0].keys.dtype == torch.float32  # the source cache: what the fork converts from
+    # the source cache: what the fork converts from
+    assert cache.layers[0].keys.dtype == torch.float32
 
 
 def test_forked_logprobs_under_autocast_match_the_full_forward(model):
@@ -223,20 +235,23 @@ def test_forked_greedy_under_autocast_matches_reencoding(model):
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
         forked, _ = rollout.sample(model, prefixes, 2, [12] * 3, greedy, cache=cache, rows=rows)
         for prefix, forks in zip(prefixes, forked):
+            # HF's own cache
             alone = model.generate(torch.tensor([prefix]), max_new_tokens=12, do_sample=False,
-                                   eos_token_id=2, pad_token_id=0)[0, len(prefix):].tolist()  # HF's own cache
+                                   eos_token_id=2, pad_token_id=0)[0, len(prefix):].tolist()
             alone = alone[: alone.index(2) + 1] if 2 in alone else alone
             assert forks == [alone, alone] and len(set(alone)) > 1
 
 
 def sampling_peak(model, cache, n_prefixes, max_batch_tokens):
-    """Peak bytes of sampling 4 x 60 tokens from each of n_prefixes 18-token prefixes of cache's 4 rows."""
+    """Peak bytes of sampling 4 x 60 tokens from each of n_prefixes 18-token prefixes of
+    cache's 4 rows."""
     seqs, rows = random_seqs([20] * 4), [i % 4 for i in range(n_prefixes)]
     prefixes = [seqs[r][:18] for r in rows]
     gc.collect()
-    with bench.LiveTensorBytes() as counter:  # EOS out of the vocabulary: every row runs its full budget
-        sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=60, eos_id=40, pad_id=0,
-                                    max_batch_tokens=max_batch_tokens)
+    # EOS out of the vocabulary: every row runs its full budget
+    with bench.LiveTensorBytes() as counter:
+        sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=60, eos_id=40,
+                                    pad_id=0, max_batch_tokens=max_batch_tokens)
         rollout.sample(model, prefixes, 4, [60] * n_prefixes, sampling, cache=cache, rows=rows)
     return counter.peak
 
@@ -249,16 +264,17 @@ def test_two_batches_of_forks_peak_like_one(model):
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
     one = sampling_peak(model, cache, 4, 4 * 4 * 78)
     two = sampling_peak(model, cache, 8, 4 * 4 * 78)
-    buffers = 2 * 2 * 16 * 2 * (17 + 60) * 16 * 4  # layers, (k, v), rows, kv heads, columns, head dim, fp32
+    # layers, (k, v), rows, kv heads, columns, head dim, fp32
+    buffers = 2 * 2 * 16 * 2 * (17 + 60) * 16 * 4
     assert one > buffers and two < one + buffers / 4
 
 
 def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
-    """Three batches of forks (prefixes 10 and 13 left-padded to 13, 19 and 22 to 22, 26 alone; 22 with a
-    budget of 2, the others 6) write into one flat tensor per layer's keys and values, made once for the
-    largest batch (22 - 1 + 6 columns: the longest prefix and the largest budget); poisoned with NaN before
-    each fork, they sample what fresh buffers do (T = 1, same seed): no column is read that this batch did
-    not write, its padding included."""
+    """Three batches of forks (prefixes 10 and 13 left-padded to 13, 19 and 22 to 22, 26 alone; 22
+    with a budget of 2, the others 6) write into one flat tensor per layer's keys and values, made
+    once for the largest batch (22 - 1 + 6 columns: the longest prefix and the largest budget);
+    poisoned with NaN before each fork, they sample what fresh buffers do (T = 1, same seed): no
+    column is read that this batch did not write, its padding included."""
     seqs = random_seqs([30, 24, 26])
     ids, mask = rollout.pad_right(seqs, 0)
     rows, ends = [1, 2, 0, 1, 0], [10, 13, 19, 22, 26]
@@ -266,7 +282,8 @@ def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
     with torch.no_grad():
         cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)[1]
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=40, pad_id=0,
-                                max_batch_tokens=6 * 31)  # two prefixes x k = 3 rows, at most 31 columns
+                                # two prefixes x k = 3 rows, at most 31 columns
+                                max_batch_tokens=6 * 31)
     monkeypatch.setattr(batching, "batch_overhead", lambda _: 10 ** 6)  # the fewest batches: three
 
     def draw(reused_buffers):
@@ -288,8 +305,10 @@ def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
 
     fresh, poison = draw(lambda positions: None), draw(poisoned)
     assert poison == fresh and len({tuple(c) for cs in fresh[0] for c in cs}) > 10  # of 15 draws
-    assert len(made) == 3 * 2 * model.config.num_hidden_layers and len(set(made)) == 3  # three batches
-    assert len(storage) == 2 * model.config.num_hidden_layers  # one storage per slot, whatever the batch
+    # three batches
+    assert len(made) == 3 * 2 * model.config.num_hidden_layers and len(set(made)) == 3
+    # one storage per slot, whatever the batch
+    assert len(storage) == 2 * model.config.num_hidden_layers
 
 
 # ---- G. the gather fork equals the copying one ----------------------------------------------
@@ -310,7 +329,8 @@ def test_gather_fork_equals_copy_fork(model, autocast):
                    for method in rollout.FORK_METHODS]
     assert samples[0] == samples[1]
     assert torch.equal(copied[0], gathered[0]) and torch.equal(copied[1], gathered[1])
-    for a, b in zip(copied[2].layers, gathered[2].layers):  # the W-1 cached columns (decoding fills the rest)
+    # the W-1 cached columns (decoding fills the rest)
+    for a, b in zip(copied[2].layers, gathered[2].layers):
         assert a.keys.shape == b.keys.shape == (15, 2, 15, 16)
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert a.key_buffer.shape == b.key_buffer.shape and a.keys.dtype == b.keys.dtype
@@ -324,7 +344,8 @@ def test_gather_fork_equals_copy_fork(model, autocast):
 def test_each_algo_runs_in_bf16_on_cpu(tmp_path, algo, extra):
     args = ["--precision", "bf16", "--algo", algo, "--out", str(tmp_path), *SMALL, *extra]
     r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], cwd=HERE,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1, 2]
@@ -332,40 +353,51 @@ def test_each_algo_runs_in_bf16_on_cpu(tmp_path, algo, extra):
         assert row["nonfinite_skips"] == 0 and "policy_loss" in row and row["kl"] >= 0
         assert ("value_loss" in row) == (algo in ("ppo", "tppo"))
         assert (row["mc_states"] > 0) == (algo == "vineppo")
-    assert json.loads((tmp_path / "config.json").read_text())["precision"] == "bf16"  # the run's settings
+    # the run's settings
+    assert json.loads((tmp_path / "config.json").read_text())["precision"] == "bf16"
 
 
 # ---- the GPU report (bench.py --gpu-report), rehearsed on a CPU --------------------------------
 
 def test_gpu_report_smoke_fills_every_field(tmp_path, capsys, monkeypatch):
-    """The GPU report's code at a tiny shape on this CPU (< 1 minute on a quiet one): every part ran, every
-    field holds what it says, memory by the CPU counter, labelled as such. The budgets are widened tenfold:
-    a busy machine must not fail the code for its speed (test_a_part_over_its_budget_fails_and_the_report_goes_on checks them)."""
+    """The GPU report's code at a tiny shape on this CPU (< 1 minute on a quiet one): every part
+    ran, every field holds what it says, memory by the CPU counter, labelled as such. The budgets
+    are widened tenfold: a busy machine must not fail the code for its speed
+    (test_a_part_over_its_budget_fails_and_the_report_goes_on checks them)."""
     smoke = bench.MODES["smoke"]
-    monkeypatch.setitem(bench.MODES, "smoke", {**smoke, "budget_s": 10 * smoke["budget_s"],
-                                               "budgets": {k: 10 * v for k, v in smoke["budgets"].items()}})
+    monkeypatch.setitem(bench.MODES, "smoke",
+                        {**smoke, "budget_s": 10 * smoke["budget_s"],
+                         "budgets": {k: 10 * v for k, v in smoke["budgets"].items()}})
     bench.main(["--gpu-report", str(tmp_path), "--smoke"])
     report = json.loads((tmp_path / "gpu-report.json").read_text())
     mode, parts = bench.MODES["smoke"], report["parts"]
-    assert report["mode"] == "smoke" and report["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert (report["mode"] == "smoke"
+            and report["device"] == ("cuda" if torch.cuda.is_available() else "cpu"))
     assert 0 < report["seconds"] <= report["budget_s"] == mode["budget_s"]
     iterations = [f"iteration_{algo}" for algo in bench.ALGOS]
     assert list(parts) == ["environment", "model_files", "generation"] + iterations + ["estimate"]
     for name, part in parts.items():
         assert part["status"] == "ok" and part["error"] is None, (name, part["error"])
-        assert 0 <= part["seconds"] <= part["budget_s"] + 1 and part["budget_s"] <= mode["budgets"][name]
+        assert (0 <= part["seconds"] <= part["budget_s"] + 1
+                and part["budget_s"] <= mode["budgets"][name])
     env = parts["environment"]
     import platform
     import transformers
-    assert env["torch"] == torch.__version__ and env["cpu_count"] >= 1 and env["torch_threads"] >= 1
-    assert env["transformers"] == transformers.__version__ and env["python"] == platform.python_version()
-    assert env["cuda"] == torch.version.cuda and (env["bf16_supported"] is None) == (not torch.cuda.is_available())
+    assert (env["torch"] == torch.__version__ and env["cpu_count"] >= 1
+            and env["torch_threads"] >= 1)
+    assert (env["transformers"] == transformers.__version__
+            and env["python"] == platform.python_version())
+    assert (env["cuda"] == torch.version.cuda
+            and (env["bf16_supported"] is None) == (not torch.cuda.is_available()))
     assert report["command"] == f"python bench.py --gpu-report {tmp_path} --smoke"
     assert report["shape"] == mode["shape"]
     train = report["settings"]["train"]
-    assert 2 <= train["max_new_tokens"] <= mode["train"]["max_new_tokens"] and train["predicted_generation_s"] > 0
-    assert (env["gpu_name"] is None) == (env["gpu_memory_bytes"] is None) == (not torch.cuda.is_available())
-    # 2 layers of 64 wide (16-wide heads, 2 KV heads: 32-wide k, v), 128 intermediate, 2048 untied vocabulary
+    assert (2 <= train["max_new_tokens"] <= mode["train"]["max_new_tokens"]
+            and train["predicted_generation_s"] > 0)
+    assert ((env["gpu_name"] is None) == (env["gpu_memory_bytes"] is None)
+            == (not torch.cuda.is_available()))
+    # 2 layers of 64 wide (16-wide heads, 2 KV heads: 32-wide k, v), 128 intermediate,
+    # 2048 untied vocabulary
     layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
     assert parts["model_files"]["params"] == 2 * layer + 2 * 2048 * 64 + 64
     assert parts["model_files"]["vocab"] == mode["shape"]["vocab"]
@@ -374,17 +406,21 @@ def test_gpu_report_smoke_fills_every_field(tmp_path, capsys, monkeypatch):
     for algo in bench.ALGOS:
         check_iteration(parts[f"iteration_{algo}"], algo, report["settings"]["train"])
     hours = parts["estimate"]["hours"]
-    assert set(hours) == set(bench.ALGOS) and parts["estimate"]["tokens_per_iteration"] == bench.GSM8K_TOKENS
-    assert parts["estimate"]["missing"] == [] and all(v > 0 for v in parts["estimate"]["tokens_per_s"].values())
+    assert (set(hours) == set(bench.ALGOS)
+            and parts["estimate"]["tokens_per_iteration"] == bench.GSM8K_TOKENS)
+    assert (parts["estimate"]["missing"] == []
+            and all(v > 0 for v in parts["estimate"]["tokens_per_s"].values()))
     assert parts["estimate"]["iterations"] == 650 and "arithmetic" in parts["estimate"]["label"]
     for h in hours.values():
-        assert 0 < h["eight_gpus"] < h["one_gpu"] < h["one_gpu_stragglers"] and h["eight_gpus_as_measured"] > 0
+        assert (0 < h["eight_gpus"] < h["one_gpu"] < h["one_gpu_stragglers"]
+                and h["eight_gpus_as_measured"] > 0)
         assert h["eight_gpus"] < h["eight_gpus_stragglers"] < h["one_gpu_stragglers"]
     assert hours["vineppo"]["one_gpu"] > hours["grpo"]["one_gpu"]  # the MC tokens
     table = (tmp_path / "gpu-report.md").read_text()
     assert table.strip() == bench.markdown(report).strip()
     assert "smoke run" in table and "LiveTensorBytes" in table
-    for heading in ("## Generation", "## Memory and seconds", "## Estimate", "## What ran", "## Parts"):
+    for heading in ("## Generation", "## Memory and seconds", "## Estimate", "## What ran",
+                    "## Parts"):
         assert heading in table
     assert table in capsys.readouterr().out
 
@@ -411,14 +447,18 @@ def check_generation(generation: dict, mode: dict):
 def check_iteration(run: dict, algo: str, train: dict):
     from parallel import PHASES
     critic = algo in ("ppo", "tppo")
-    assert run["model_state_bytes_arithmetic"] == bench.model_state_bytes(bench.MODES["smoke"]["shape"], critic)
-    # the whole run's peak holds at least the model state: weights, gradients, AdamW moments, the reference
+    assert run["model_state_bytes_arithmetic"] == bench.model_state_bytes(
+        bench.MODES["smoke"]["shape"], critic)
+    # the whole run's peak holds at least the model state: weights, gradients, AdamW moments,
+    # the reference
     assert run["peak_memory_bytes"] >= run["model_state_bytes_arithmetic"]
     assert ("LiveTensorBytes" in run["peak_memory_kind"]) == (not torch.cuda.is_available())
     assert f"--algo {algo}" in run["argv"] and "MODEL" in run["argv"]
-    assert set(run["time"]) == set(PHASES) | {"seconds"} and all(v >= 0 for v in run["time"].values())
+    assert (set(run["time"]) == set(PHASES) | {"seconds"}
+            and all(v >= 0 for v in run["time"].values()))
     assert sum(run["time"][p] for p in PHASES) <= run["time"]["seconds"] + 0.01
-    assert (run["time"]["time_mc_values"] > 0) == (algo == "vineppo") == (run["metrics"]["mc_tokens"] > 0)
+    assert ((run["time"]["time_mc_values"] > 0) == (algo == "vineppo")
+            == (run["metrics"]["mc_tokens"] > 0))
     assert (run["time"]["time_critic_values"] > 0) == critic
     assert run["metrics"]["episodes"] == train["prompts"] * train["samples"]
     assert 0 < run["metrics"]["response_tokens"] <= train["max_new_tokens"]
@@ -429,14 +469,18 @@ def test_model_state_arithmetic_at_rho_shape():
     critic is the backbone without the LM head, 16.55 GB more."""
     vine, ppo_ = bench.model_state_bytes(bench.RHO, False), bench.model_state_bytes(bench.RHO, True)
     assert round(vine / 1e9, 2) == 19.93 and round(ppo_ / 1e9, 2) == 36.48
-    params = 22 * (2 * 2048**2 + 2 * 2048 * 256 + 3 * 2048 * 5632 + 2 * 2048) + 2 * 32000 * 2048 + 2048
-    assert 16 * params + 2 * (params - 32000 * 2048 - 45 * 2048) + 4 * (32000 * 2048 + 45 * 2048) == vine
+    params = (22 * (2 * 2048**2 + 2 * 2048 * 256 + 3 * 2048 * 5632 + 2 * 2048)
+              + 2 * 32000 * 2048 + 2048)
+    assert (16 * params + 2 * (params - 32000 * 2048 - 45 * 2048)
+            + 4 * (32000 * 2048 + 45 * 2048) == vine)
 
 
 def test_a_part_over_its_budget_fails_and_the_report_goes_on(tmp_path):
     import time as clock
-    ctx = bench.argparse.Namespace(out=str(tmp_path), device="cpu", report={"parts": {}, "settings": {}},
-                                   mode={"budgets": {"slow": 1, "next": 5}}, deadline=clock.perf_counter() + 60)
+    ctx = bench.argparse.Namespace(out=str(tmp_path), device="cpu",
+                                   report={"parts": {}, "settings": {}},
+                                   mode={"budgets": {"slow": 1, "next": 5}},
+                                   deadline=clock.perf_counter() + 60)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench, "markdown", lambda report: "table")
         bench.run_part(ctx, "slow", lambda ctx, result: (result.update(done=1), clock.sleep(5)))
@@ -458,9 +502,11 @@ def test_mc_token_count_hand_case(tmp_path):
     problems = [{"question": "Q?", "answer": "a\nb\n#### 1"}]
     counted = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3)
     assert counted["response_tokens"] == 13 and counted["steps"] == 2
-    assert counted["response_tokens_per_iteration"] == 26 and counted["mc_tokens_per_iteration"] == 105
+    assert (counted["response_tokens_per_iteration"] == 26
+            and counted["mc_tokens_per_iteration"] == 105)
     assert counted["straggler"] == 1.0
-    assert counted["rows_per_generate_call"] == 524288 // (35 + 1024)  # BOS + the prompt's 34 characters
+    # BOS + the prompt's 34 characters
+    assert counted["rows_per_generate_call"] == 524288 // (35 + 1024)
     # and '\n#### 1\n' + EOS, 9 tokens, one step: means 11 tokens and 5.5 after the first step; the
     # longest of 495 rows drawn from both is (surely) 13
     problems.append({"question": "Q?", "answer": "#### 1"})
@@ -471,17 +517,19 @@ def test_mc_token_count_hand_case(tmp_path):
 
 
 def test_response_budget_fits_the_vineppo_part():
-    """L = 16 predicts 4 x 16 / 16 + 3 x (2 + 4 x 4) x 8 / 120 = 7.6 s (rollout, then K = 3 continuations of
-    the prompt and 4 lines a response, half of L each) > 20 / 4; L = 8: 2 + 3 x (2 + 4 x 2) x 4 / 120 = 3 s."""
-    mode = {"train": dict(prompts=2, samples=2, max_new_tokens=16, newline_every=4), "fork": dict(k=3),
-            "budgets": {"iteration_vineppo": 20}}
+    """L = 16 predicts 4 x 16 / 16 + 3 x (2 + 4 x 4) x 8 / 120 = 7.6 s (rollout, then K = 3
+    continuations of the prompt and 4 lines a response, half of L each) > 20 / 4;
+    L = 8: 2 + 3 x (2 + 4 x 2) x 4 / 120 = 3 s."""
+    mode = {"train": dict(prompts=2, samples=2, max_new_tokens=16, newline_every=4),
+            "fork": dict(k=3), "budgets": {"iteration_vineppo": 20}}
     fork = dict(default_method="fork-batch", tokens_per_s={"fork-batch": 120.0})
     plain = [dict(rows=4, precision="autocast", tokens_per_s=16.0)]
     report = {"parts": {"generation": {"plain": plain, "fork": fork}}}
     chosen = bench.choose_new_tokens(bench.argparse.Namespace(mode=mode, report=report))
     assert chosen == {"max_new_tokens": 8, "predicted_generation_s": 3.0}
     report["parts"]["generation"] = {}  # no rates: the preset's budget
-    assert bench.choose_new_tokens(bench.argparse.Namespace(mode=mode, report=report))["max_new_tokens"] == 16
+    assert bench.choose_new_tokens(
+        bench.argparse.Namespace(mode=mode, report=report))["max_new_tokens"] == 16
 
 
 # ---- bench.py's options: one line and exit 2 -------------------------------------------------
@@ -504,16 +552,19 @@ def test_bench_bad_options_end_in_one_line(args, expected, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench.main(args)
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith("error: ") and expected in err and err.count("\n") == 1
+    assert (exit_.value.code == 2 and err.startswith("error: ") and expected in err
+            and err.count("\n") == 1)
 
 
-NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the command would run")
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(),
+                             reason="a CUDA device is here: the command would run")
 
 
 @NO_CUDA
 @pytest.mark.parametrize("args, expected", [
     (["--device", "cuda"], "--device cuda: no CUDA device is available here"),
-    (["--gpu-report", "OUT"], "--gpu-report at rho-math-1.1b's shape needs a GPU (--device cpu); --smoke"),
+    (["--gpu-report", "OUT"],
+     "--gpu-report at rho-math-1.1b's shape needs a GPU (--device cpu); --smoke"),
 ])
 def test_bench_without_cuda_ends_in_one_line(args, expected, capsys):
     test_bench_bad_options_end_in_one_line(args, expected, capsys)
@@ -522,23 +573,27 @@ def test_bench_without_cuda_ends_in_one_line(args, expected, capsys):
 @NO_CUDA
 def test_the_gpu_command_is_refused_in_one_line_without_cuda(tmp_path):
     """The exact command the GPU will get (docs/gpu.md), rehearsed on a CPU-only torch."""
-    command = [sys.executable, os.path.join(HERE, "bench.py"), "--gpu-report", "gpu-report", "--device", "cuda"]
+    command = [sys.executable, os.path.join(HERE, "bench.py"), "--gpu-report", "gpu-report",
+               "--device", "cuda"]
     r = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "gpu-report").exists()
+    assert (r.returncode == 2 and r.stderr.count("\n") == 1
+            and not (tmp_path / "gpu-report").exists())
     assert r.stderr.startswith("error: --device cuda: no CUDA device is available here")
     assert "--smoke" in r.stderr  # and what to run instead
 
 
 def test_the_gpu_reports_32k_tokenizer():
-    """The GPU's tokenizer (the smoke run makes a 2,048 one): 32,000 entries, Llama's specials first, the
-    fixture's text round-trips, and one filler in 25 ends in a newline (a step for a random model)."""
+    """The GPU's tokenizer (the smoke run makes a 2,048 one): 32,000 entries, Llama's specials
+    first, the fixture's text round-trips, and one filler in 25 ends in a newline (a step for a
+    random model)."""
     problems = bench.reward.read_jsonl(bench.FIXTURE)
     texts = [bench.reward.PROMPT.format(question=p["question"]) for p in problems]
     tok = bench.tokenizer_32k(texts, 32000, 25)
     vocab = tok.get_vocab()
     assert len(tok) == len(vocab) == 32000 and (tok.bos_token_id, tok.eos_token_id) == (1, 2)
     fillers = [t for t in vocab if t.startswith("▁w") and t.rstrip("\n")[2:].isdigit()]
-    assert sum(t.endswith("\n") for t in fillers) == (len(fillers) + 24) // 25 and len(fillers) > 25000
+    assert (sum(t.endswith("\n") for t in fillers) == (len(fillers) + 24) // 25
+            and len(fillers) > 25000)
     ids = tok(texts[0], add_special_tokens=False).input_ids
     assert tok.decode(ids) == texts[0] and len(ids) < len(texts[0]) / 3  # words, not characters
 

@@ -1,5 +1,5 @@
-"""Tests of the real-data path: GSM8K's own answers, SentencePiece-style tokenization (step boundaries,
-SFT targets), the reference's stop string and context budget, and offline errors."""
+"""Tests of the real-data path: GSM8K's own answers, SentencePiece-style tokenization (step
+boundaries, SFT targets), the reference's stop string and context budget, and offline errors."""
 import dataclasses
 import json
 import os
@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaTokenizer, PreTrainedTokenizerFast
+from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaTokenizer,
+                          PreTrainedTokenizerFast)
 
 import checkpoint
 import rollout
@@ -38,7 +39,8 @@ def llama_style_tokenizer(texts: list[str], vocab_size: int = 800) -> LlamaToken
     `texts` without newlines, so '\\n' is always the byte token <0x0A>, as in Llama; rare characters
     (limit_alphabet) fall back to bytes too."""
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always",
+                                                 split=True)
     lines = [line for text in texts for line in text.split("\n")]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, limit_alphabet=70, show_progress=False)
     bpe.train_from_iterator(lines, trainer)
@@ -50,10 +52,12 @@ def llama_style_tokenizer(texts: list[str], vocab_size: int = 800) -> LlamaToken
 
 
 def byte_level_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
-    """A byte-level BPE whose pre-tokenizer (Llama-3's rule for punctuation) keeps ':\\n' together."""
+    """A byte-level BPE whose pre-tokenizer (Llama-3's rule for punctuation) keeps ':\\n'
+    together."""
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s+|\p{L}+|\p{N}"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s+|\p{L}+|\p{N}"),
+                             behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|end|>"], show_progress=False,
@@ -81,7 +85,8 @@ def char_tok(tmp_path_factory):
 
 def llama_response(tok, question: str, text: str) -> list[int]:
     """`text` tokenized as it follows the prompt, as sampling sees it (sft_example), EOS dropped."""
-    ids, n_prompt = sft_example(tok, gsm8k_prompt(question), text[1:-1])  # sft_target adds the '\n' on each side
+    # sft_target adds the '\n' on each side
+    ids, n_prompt = sft_example(tok, gsm8k_prompt(question), text[1:-1])
     return ids[n_prompt:-1]
 
 
@@ -89,13 +94,16 @@ def llama_response(tok, question: str, text: str) -> list[int]:
 
 def test_gold_answers_with_thousands_separators_score_one():
     golds = [p["answer"] for p in FIXTURE]
-    assert sum("," in a.split("####")[-1] for a in golds) == 8  # 2,125 and the like (fixtures/README.md)
+    # 2,125 and the like (fixtures/README.md)
+    assert sum("," in a.split("####")[-1] for a in golds) == 8
     assert all(gsm8k_reward(a, a) == 1.0 for a in golds)
-    assert all(gsm8k_reward(sft_target(a), a) == 1.0 for a in golds)  # the gold solution as SFT writes it
+    # the gold solution as SFT writes it
+    assert all(gsm8k_reward(sft_target(a), a) == 1.0 for a in golds)
     assert gsm8k_reward("#### 2125", "#### 2,125") == 1.0
     assert gsm8k_reward("... so 2,125 blocks.\n#### 2,125", "2,125") == 1.0
     assert gsm8k_reward("#### 2,126", "#### 2,125") == 0.0
-    assert gsm8k_reward("#### 2.125", "#### 2,125") == 0.0  # a comma is a separator, never a decimal point
+    # a comma is a separator, never a decimal point
+    assert gsm8k_reward("#### 2.125", "#### 2,125") == 0.0
 
 
 # ---- 2. step boundaries from the decoded response ------------------------------------------
@@ -106,8 +114,10 @@ def test_decoded_pieces_spell_the_decoded_response(llama_tok):
     for p in FIXTURE:
         for text in (sft_target(p["answer"]), p["question"], " " + p["answer"] + " \n½ kg \n"):
             ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
-            byte_tokens += sum(t.startswith("<0x") and t != "<0x0A>" for t in tok.convert_ids_to_tokens(ids))
-            assert "".join(vine.decoded_pieces(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
+            byte_tokens += sum(t.startswith("<0x") and t != "<0x0A>"
+                               for t in tok.convert_ids_to_tokens(ids))
+            assert "".join(vine.decoded_pieces(tok, ids)) == \
+                tok.decode(ids, skip_special_tokens=True)
     assert byte_tokens > 50  # multi-byte characters (€, ½, ’) split over byte tokens were covered
     # '½' = bytes C2 BD: the first byte adds nothing, the second the character
     ids = tok("a½", add_special_tokens=False).input_ids
@@ -119,7 +129,8 @@ def test_space_before_newline_old_boundary_one_token_early(llama_tok):
     """A lone '▁' decodes to '' on its own, so the old per-token texts put the boundary on it;
     its character is the space that ends the first line, so the step starts at the newline."""
     tok = llama_tok
-    ids = llama_response(tok, FIXTURE[27]["question"], "\nShe sold 24 clips. \nIn all 72.\n#### 72\n")
+    ids = llama_response(tok, FIXTURE[27]["question"],
+                         "\nShe sold 24 clips. \nIn all 72.\n#### 72\n")
     tokens = tok.convert_ids_to_tokens(ids)
     lone = [tok.decode([i], skip_special_tokens=True) for i in ids]  # the old way: each token alone
     new, old = vine.response_step_starts(tok, ids), vine.step_starts(lone)
@@ -140,7 +151,8 @@ def test_boundaries_of_gold_solutions_fall_on_their_newlines(llama_tok):
         for text in (gold, gold.replace("\n", " \n")[1:]):
             ids = llama_response(tok, p["question"], text)
             starts = vine.response_step_starts(tok, ids)
-            lines = text.split("\n####")[0].strip("\n").split("\n")  # a step each; the last holds the answer
+            # a step each; the last holds the answer
+            lines = text.split("\n####")[0].strip("\n").split("\n")
             assert len(starts) == len(lines)
             assert all(tok.convert_ids_to_tokens(ids[s]) == "<0x0A>" for s in starts[1:])
 
@@ -150,9 +162,11 @@ def test_char_level_boundaries_unchanged(char_tok):
     tok = char_tok
     lone = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=True)
     g = torch.Generator().manual_seed(0)
-    samples = [tok(sft_target(p["demonstration"]), add_special_tokens=False).input_ids + [tok.eos_token_id]
+    samples = [tok(sft_target(p["demonstration"]), add_special_tokens=False).input_ids
+               + [tok.eos_token_id]
                for p in arith_dataset(50, seed=1, slip=0.3)]
-    samples += [torch.randint(0, len(tok), (60,), generator=g).tolist() for _ in range(50)]  # specials too
+    # specials too
+    samples += [torch.randint(0, len(tok), (60,), generator=g).tolist() for _ in range(50)]
     for ids in samples:
         assert vine.response_step_starts(tok, ids) == vine.step_starts([lone[i] for i in ids])
 
@@ -164,7 +178,8 @@ def test_sft_example_has_no_spurious_leading_token(llama_tok):
     for p in FIXTURE:
         ids, n_prompt = sft_example(tok, gsm8k_prompt(p["question"]), p["answer"])
         target = sft_target(p["answer"])
-        assert ids[:n_prompt] == encode_prompt(tok, gsm8k_prompt(p["question"])) and ids[0] == tok.bos_token_id
+        assert (ids[:n_prompt] == encode_prompt(tok, gsm8k_prompt(p["question"]))
+                and ids[0] == tok.bos_token_id)
         alone = tok(target, add_special_tokens=False).input_ids  # the old way: a spurious '▁' first
         assert tok.convert_ids_to_tokens(alone[:2]) == ["▁", "<0x0A>"]
         assert tok.convert_ids_to_tokens(ids[n_prompt]) == "<0x0A>" and ids[-1] == tok.eos_token_id
@@ -176,10 +191,12 @@ def test_sft_example_char_level_unchanged(char_tok):
     """The demo's ids: prompt_ids + the target tokenized alone + EOS, as train.py built them."""
     tok = char_tok
     for p in arith_dataset(100, seed=2, slip=0.25):
-        before = tok(sft_target(p["demonstration"]), add_special_tokens=False).input_ids + [tok.eos_token_id]
+        before = (tok(sft_target(p["demonstration"]), add_special_tokens=False).input_ids
+                  + [tok.eos_token_id])
         prompt = ARITH_PROMPT.format(question=p["question"])
         prompt_ids = encode_prompt(tok, prompt)
-        assert sft_example(tok, prompt, p["demonstration"]) == (prompt_ids + before, len(prompt_ids))
+        assert sft_example(tok, prompt, p["demonstration"]) == \
+            (prompt_ids + before, len(prompt_ids))
 
 
 def test_sft_example_when_a_token_spans_the_prompt_end(byte_tok):
@@ -188,7 +205,8 @@ def test_sft_example_when_a_token_spans_the_prompt_end(byte_tok):
     tok, p = byte_tok, FIXTURE[0]
     prompt_ids = encode_prompt(tok, gsm8k_prompt(p["question"]))
     assert tok.convert_ids_to_tokens(prompt_ids[-1]) == ":"  # sampling starts after ':'
-    assert ":Ċ" in tok.convert_ids_to_tokens(tok(sft_text(p)).input_ids)  # ':\n' (Ċ: byte-level '\n')
+    # ':\n' (Ċ: byte-level '\n')
+    assert ":Ċ" in tok.convert_ids_to_tokens(tok(sft_text(p)).input_ids)
     ids, n_prompt = sft_example(tok, gsm8k_prompt(p["question"]), p["answer"])
     assert ids[:n_prompt] == prompt_ids and ids[-1] == tok.eos_token_id
     assert tok.decode(ids[:-1]) == sft_text(p)
@@ -199,10 +217,12 @@ def test_sft_example_when_a_token_spans_the_prompt_end(byte_tok):
 def test_cut_at_stop_hand_cases(llama_tok, char_tok, byte_tok):
     for tok in (llama_tok, char_tok, byte_tok):
         eos = tok.eos_token_id
-        cut_at_stop = lambda ids: rollout.finish(ids, len(ids), eos, tok, STOP)[0]  # the budget cuts nothing
+        # the budget cuts nothing
+        cut_at_stop = lambda ids: rollout.finish(ids, len(ids), eos, tok, STOP)[0]
         enc = lambda text: tok(text, add_special_tokens=False).input_ids
         kept = enc("\nA = 3.\n#### 3")
-        # HF stops at the token completing the stop string, which may run past it (':\n' in byte-level BPE)
+        # HF stops at the token completing the stop string, which may run past it
+        # (':\n' in byte-level BPE)
         for tail in ("\n\n\nProblem:",) + (("\n\n\nProblem:\n",) if tok is byte_tok else ()):
             ids = enc("\nA = 3.\n#### 3" + tail)
             assert ids[: len(kept)] == kept
@@ -211,7 +231,8 @@ def test_cut_at_stop_hand_cases(llama_tok, char_tok, byte_tok):
         assert cut_at_stop(kept + [eos]) == kept + [eos]  # no stop string: unchanged
         assert cut_at_stop(kept) == kept
         assert cut_at_stop(enc("\n\n\nProblem")) == enc("\n\n\nProblem")
-        # a row that stopped, filled with EOS (rollout.fork_and_decode) -> the kept tokens and EOS, finished
+        # a row that stopped, filled with EOS (rollout.fork_and_decode)
+        # -> the kept tokens and EOS, finished
         row = enc("\nA = 3.\n#### 3\n\n\nProblem:") + [eos] * 3
         assert rollout.finish(row, 100, eos, tok, STOP) == (kept + [eos], True)
         assert rollout.finish(row, len(kept) + 2, eos, tok, STOP) == (row[: len(kept) + 2], False)
@@ -226,8 +247,9 @@ def runaway_model(char_tok):
     tok, threads = char_tok, torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: more threads only contend
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=256,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(config)
     prompt = encode_prompt(tok, gsm8k_prompt("What is 5+3?"))
@@ -255,7 +277,8 @@ def test_stop_string_cuts_an_invented_next_problem(char_tok, runaway_model):
     runs_on, done = rollout.sample(model, [prompt], 2, [200], greedy)
     assert tok.decode(runs_on[0][0], skip_special_tokens=True) == RUNAWAY and done == [[True, True]]
     assert gsm8k_reward(RUNAWAY, "#### 8") == 0.0  # graded on the invented problem's '#### 2'
-    state = prompt + tok("\n5+3=8", add_special_tokens=False).input_ids  # a main rollout and an MC state
+    # a main rollout and an MC state
+    state = prompt + tok("\n5+3=8", add_special_tokens=False).input_ids
     stopping = dataclasses.replace(greedy, tokenizer=tok, stop=STOP)
     conts, done = rollout.sample(model, [prompt, state], 2, [200, 200], stopping)
     assert conts[0] == [tok("\n5+3=8\n#### 8", add_special_tokens=False).input_ids + [eos]] * 2
@@ -283,12 +306,14 @@ def test_context_length_caps_the_budget():
 # ---- 10. offline: one line, not a traceback -------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "rho-math-1.1b", "--data", "gsm8k"], "--data gsm8k: cannot load openai/gsm8k from the hub"),
+    (["--model", "rho-math-1.1b", "--data", "gsm8k"],
+     "--data gsm8k: cannot load openai/gsm8k from the hub"),
     (["--model", "rho-math-1.1b"], "--model 'realtreetune/rho-1b-sft-GSM8K': cannot load it"),
 ])
 def test_offline_hub_model_or_data_fail_in_one_line(tmp_path, args, message):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args, "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args,
+                        "--out", str(tmp_path)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: " + message)
@@ -297,9 +322,10 @@ def test_offline_hub_model_or_data_fail_in_one_line(tmp_path, args, message):
 
 # ---- the whole GSM8K path with a Llama-style tokenizer ------------------------------------------
 
-SMALL = ["--iterations", "2", "--prompts-per-iter", "4", "--samples-per-prompt", "2", "--mc-rollouts", "2",
-         "--minibatch", "4", "--micro-batch", "2", "--max-new-tokens", "24", "--eval-problems", "4",
-         "--eval-samples", "1", "--eval-every", "1", "--save-every", "1", "--sft-steps", "3", "--sft-batch", "4"]
+SMALL = ["--iterations", "2", "--prompts-per-iter", "4", "--samples-per-prompt", "2",
+         "--mc-rollouts", "2", "--minibatch", "4", "--micro-batch", "2", "--max-new-tokens", "24",
+         "--eval-problems", "4", "--eval-samples", "1", "--eval-every", "1", "--save-every", "1",
+         "--sft-steps", "3", "--sft-batch", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -307,8 +333,9 @@ def llama_model_dir(llama_tok, tmp_path_factory):
     """A tiny random Llama with the Llama-style tokenizer, saved as a hub model would be."""
     path = tmp_path_factory.mktemp("llama")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(llama_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    config = LlamaConfig(vocab_size=len(llama_tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024,
                          bos_token_id=llama_tok.bos_token_id, eos_token_id=llama_tok.eos_token_id)
     LlamaForCausalLM(config).save_pretrained(path)
     llama_tok.save_pretrained(path)
@@ -317,12 +344,15 @@ def llama_model_dir(llama_tok, tmp_path_factory):
 
 @pytest.mark.parametrize("algo", ["vineppo", "ppo", "tppo", "grpo"])
 def test_gsm8k_path_with_llama_style_tokenizer(tmp_path, llama_model_dir, algo):
-    """The paper's code path end to end: a from_pretrained Llama with a SentencePiece-style tokenizer,
-    real GSM8K problems (the fixture), SFT, two iterations of each --algo, a checkpoint that reloads."""
+    """The paper's code path end to end: a from_pretrained Llama with a SentencePiece-style
+    tokenizer, real GSM8K problems (the fixture), SFT, two iterations of each --algo, a checkpoint
+    that reloads."""
     data = os.path.join(HERE, "fixtures", "gsm8k_sample.jsonl")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--model", str(llama_model_dir),
-                        "--data", data, "--algo", algo, "--out", str(tmp_path), *SMALL],
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"),
+                        "--model", str(llama_model_dir), "--data", data, "--algo", algo,
+                        "--out", str(tmp_path), *SMALL],
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1, 2] and rows[-1]["episodes"] == 8

@@ -1,5 +1,6 @@
-"""The README's promise "Use it in your own trainer": the files it names, copied alone into an empty folder,
-run its code block as written, on a tiny random Llama, and give VinePPO's step advantages."""
+"""The README's promise "Use it in your own trainer": the files it names, copied alone into an
+empty folder, run its code block as written, on a tiny random Llama, and give VinePPO's step
+advantages."""
 import json
 import os
 import re
@@ -14,7 +15,8 @@ import checkpoint
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Use it in your own trainer"
 
-# what the block takes as given: a model, its tokenizer, and a batch of responses of the built-in task
+# what the block takes as given: a model, its tokenizer, and a batch of responses of the
+# built-in task
 BEFORE = '''import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -56,8 +58,8 @@ def readme_section() -> tuple[list[str], str]:
 
 
 def run_snippet(tmp_path, save_model) -> dict:
-    """The section's files copied alone into tmp_path, `save_model(folder)` writing the model there, the
-    block run as written between BEFORE and AFTER: what AFTER prints."""
+    """The section's files copied alone into tmp_path, `save_model(folder)` writing the model
+    there, the block run as written between BEFORE and AFTER: what AFTER prints."""
     files, block = readme_section()
     assert len(block.strip().splitlines()) <= 16 and "math_grader.py" in files
     for name in files:
@@ -65,29 +67,35 @@ def run_snippet(tmp_path, save_model) -> dict:
     save_model(str(tmp_path / "model"))
     (tmp_path / "run.py").write_text(BEFORE + block + AFTER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"},
+    r = subprocess.run([sys.executable, "run.py"], cwd=tmp_path,
+                       env={**env, "HF_HUB_OFFLINE": "1"},
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]  # e.g. a sibling the named files import and the README omits
+    # e.g. a sibling the named files import and the README omits
+    assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert os.path.dirname(out["where"]) == str(tmp_path)  # the copies ran, not the project's files
     return out
 
 
 def check_step_advantages(out: dict):
-    """Rewards graded, a log-prob per response token, A_i on all of step i, sum_i A_i = R - V(s_0), and
-    every V_hat(s_i) a mean of K = 9 rewards; s_0, one prompt, valued once."""
+    """Rewards graded, a log-prob per response token, A_i on all of step i, sum_i A_i = R - V(s_0),
+    and every V_hat(s_i) a mean of K = 9 rewards; s_0, one prompt, valued once."""
     assert out["rewards"] == [1.0, 0.0, 0.0] and out["old_logp"] == out["lengths"]
-    for starts, values, adv, n, reward in zip(out["starts"], out["values"], out["advantages"], out["lengths"],
-                                              out["rewards"]):
+    for starts, values, adv, n, reward in zip(out["starts"], out["values"], out["advantages"],
+                                              out["lengths"], out["rewards"]):
         assert starts[0] == 0 and len(starts) == len(values) >= 2 and len(adv) == n
-        assert all(0 <= v <= 1 and (9 * v) == pytest.approx(round(9 * v)) for v in values)  # K = 9 rewards
+        # K = 9 rewards
+        assert all(0 <= v <= 1 and (9 * v) == pytest.approx(round(9 * v)) for v in values)
         bounds = starts[1:] + [n]
-        assert all(len(set(adv[lo:hi])) == 1 for lo, hi in zip(starts, bounds))  # A_i on all of step i
-        assert sum(adv[lo] for lo in starts) == pytest.approx(reward - values[0])  # sum of A_i = R - V(s_0)
+        # A_i on all of step i
+        assert all(len(set(adv[lo:hi])) == 1 for lo, hi in zip(starts, bounds))
+        # sum of A_i = R - V(s_0)
+        assert sum(adv[lo] for lo in starts) == pytest.approx(reward - values[0])
     assert len({values[0] for values in out["values"]}) == 1  # s_0, the same prompt: one estimate
 
 
 def test_the_readme_snippet_runs_from_the_files_it_names(tmp_path):
     out = run_snippet(tmp_path, lambda folder: checkpoint.build_tiny_model(folder, seed=0))
     check_step_advantages(out)
-    assert 0 < out["values"][0][0] < 1 or 0 < out["values"][1][1] < 1  # not all 0 or 1: a real test of the sums
+    # not all 0 or 1: a real test of the sums
+    assert 0 < out["values"][0][0] < 1 or 0 < out["values"][1][1] < 1
