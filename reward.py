@@ -1,8 +1,10 @@
-"""GSM8K-format problems ("answer" ends in "#### N") from the hub, a .jsonl file or the built-in "arith";
-MATH problems ("problem", "solution" with a \\boxed{} answer), graded up to equivalence by math_grader.py.
+"""GSM8K-format problems ("answer" ends in "#### N") from the hub, a .jsonl file or the built-in
+"arith"; MATH problems ("problem", "solution" with a \\boxed{} answer), graded up to equivalence
+by math_grader.py.
 
-Needs: math_grader.py (MATH's answers up to equivalence). Algorithm: grade, the reward R of a response, and the
-graders it calls (gsm8k_reward here, math_reward at the end, with MATH's answer extraction)."""
+Needs: math_grader.py (MATH's answers up to equivalence). Algorithm: grade, the reward R of a
+response, and the graders it calls (gsm8k_reward here, math_reward at the end, with MATH's
+answer extraction)."""
 import functools
 import hashlib
 import json
@@ -11,9 +13,12 @@ import re
 
 import math_grader
 
-PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the reference's prompt, no trailing space
-ARITH_PROMPT = "{question}\n"  # the built-in task's: a tiny model has no use for 35 characters of template
-STOP = "\n\n\nProblem:"  # the reference stops generation here: the model has begun inventing a next problem
+# the reference's prompt, no trailing space
+PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
+# the built-in task's: a tiny model has no use for 35 characters of template
+ARITH_PROMPT = "{question}\n"
+# the reference stops generation here: the model has begun inventing a next problem
+STOP = "\n\n\nProblem:"
 
 
 class DataError(ValueError):
@@ -25,13 +30,14 @@ def first_line(e: Exception) -> str:
 
 
 def extract_answer(text: str) -> str | None:
-    """Everything after the last '####', stripped; None when there is no '####' (reference: tasks/gsm8k.py)."""
+    """Everything after the last '####', stripped; None when there is no '####'
+    (reference: tasks/gsm8k.py)."""
     return text.split("####")[-1].strip() if "####" in text else None
 
 
 def final_answer(text: str, style: str = "hash") -> str | None:
-    """The answer a response gives in `style` (--answer): after the last '####' (hash) or inside the last
-    \\boxed{} (boxed); None when it gives none."""
+    """The answer a response gives in `style` (--answer): after the last '####' (hash) or inside the
+    last \\boxed{} (boxed); None when it gives none."""
     if style == "boxed":
         found = boxed_answers(text)
         return found[-1] if found else None
@@ -39,37 +45,43 @@ def final_answer(text: str, style: str = "hash") -> str | None:
 
 
 def gsm8k_reward(completion: str, gold_answer: str, style: str = "hash") -> float:
-    """hash: 1.0 iff the answers match as strings bar commas and case ('72.0', '$72' score 0, as in the
-    reference); boxed: iff the last \\boxed{} equals the gold number by math_grader ('72.0', '\\$72' score 1)."""
+    """hash: 1.0 iff the answers match as strings bar commas and case ('72.0', '$72' score 0, as in
+    the reference); boxed: iff the last \\boxed{} equals the gold number by math_grader
+    ('72.0', '\\$72' score 1)."""
     gold = extract_answer(gold_answer)
     gold = gold_answer.strip() if gold is None else gold
     pred = final_answer(completion, style)
     if pred is None:
         return 0.0
     if style == "boxed":
-        return float(math_grader.math_equal(math_grader.normalize(pred), math_grader.normalize(gold)))
-    # The reference (tasks/gsm8k.py, GSM8K.grade_answer) removes commas from the prediction only, so a
-    # gold answer written '#### 2,125' (14 of GSM8K's 1319 test problems) could never score: removed on
-    # both sides here.
+        return float(math_grader.math_equal(math_grader.normalize(pred),
+                                            math_grader.normalize(gold)))
+    # The reference (tasks/gsm8k.py, GSM8K.grade_answer) removes commas from the prediction only, so
+    # a gold answer written '#### 2,125' (14 of GSM8K's 1319 test problems) could never score:
+    # removed on both sides here.
     return float(pred.replace(",", "").lower() == gold.replace(",", "").lower())
 
 
-def grade(response: str, gold: str, question: str = "", math: bool = False, style: str = "hash") -> float:
-    """R, the task's reward of a response's text: 1.0 for a right final answer by MATH's rules (math) or by
-    GSM8K's (arith too) in `style`, else 0.0. `question` matters only to MATH's lists ('separated by commas')."""
+def grade(response: str, gold: str, question: str = "", math: bool = False,
+          style: str = "hash") -> float:
+    """R, the task's reward of a response's text: 1.0 for a right final answer by MATH's rules
+    (math) or by GSM8K's (arith too) in `style`, else 0.0. `question` matters only to MATH's
+    lists ('separated by commas')."""
     return math_reward(response, gold, question) if math else gsm8k_reward(response, gold, style)
 
 
-# ---- engineering: the built-in task, data loading with clear errors (skip on a first reading) ----------
+# ---- engineering: the built-in task, data loading with clear errors (skip on a first reading) ---
 
 
 def arith_problem(rng: random.Random, min_steps: int, max_steps: int, slip: float = 0.0) -> dict:
-    """'What is 7+2-5?' -> '7+2=9\n9-5=4\n#### 4'; every running total a single digit, so a tiny model
-    learns the arithmetic fast. The SFT 'demonstration' slips by one with p = slip and goes on from there."""
+    """'What is 7+2-5?' -> '7+2=9\n9-5=4\n#### 4'; every running total a single digit, so a tiny
+    model learns the arithmetic fast. The SFT 'demonstration' slips by one with p = slip and goes
+    on from there."""
     total = sloppy = rng.randint(0, 9)
     question, lines, demo = str(total), [], []
     for _ in range(rng.randint(min_steps, max_steps)):
-        # an operation that keeps both totals in 0-9: one exists while they differ by at most 8 (<= 8 steps)
+        # an operation that keeps both totals in 0-9: one exists while they differ by at most 8
+        # (<= 8 steps)
         sign, x = rng.choice([(sign, x) for sign in "+-" for x in range(1, 10)
                               if all(0 <= apply(t, sign, x) <= 9 for t in (total, sloppy))])
         question += f"{sign}{x}"
@@ -89,10 +101,11 @@ def apply(total: int, sign: str, x: int) -> int:
 
 def trap_problem(rng: random.Random, min_steps: int, max_steps: int, traps: tuple[int, int],
                  forget: float) -> dict:
-    """--arith-traps: running totals modulo 10, 'What is (7+5-8) mod 10?' -> '7+5=2\n2-8=4\n#### 4', chains
-    of any length. A trap is a step that wraps past 9 or below 0 (a carry or a borrow); a chain has MIN-MAX
-    of them, at random places. The SFT demonstration makes a systematic error at its own wrapping steps:
-    with p = forget it writes the result one too high (mod 10), and goes on from there."""
+    """--arith-traps: running totals modulo 10, 'What is (7+5-8) mod 10?' -> '7+5=2\n2-8=4\n#### 4',
+    chains of any length. A trap is a step that wraps past 9 or below 0 (a carry or a borrow); a
+    chain has MIN-MAX of them, at random places. The SFT demonstration makes a systematic error at
+    its own wrapping steps: with p = forget it writes the result one too high (mod 10), and goes
+    on from there."""
     n = rng.randint(min_steps, max_steps)
     hard = set(rng.sample(range(n), min(n, rng.randint(*traps))))
     total = sloppy = rng.randint(0, 9)
@@ -105,7 +118,8 @@ def trap_problem(rng: random.Random, min_steps: int, max_steps: int, traps: tupl
         result = (apply(sloppy, sign, x) + (wraps(sloppy, sign, x) and rng.random() < forget)) % 10
         demo.append(f"{sloppy}{sign}{x}={result}")
         total, sloppy = apply(total, sign, x) % 10, result
-    return {"question": f"What is ({question}) mod 10?", "answer": "\n".join(lines) + f"\n#### {total}",
+    return {"question": f"What is ({question}) mod 10?",
+            "answer": "\n".join(lines) + f"\n#### {total}",
             "demonstration": "\n".join(demo) + f"\n#### {sloppy}"}
 
 
@@ -114,7 +128,8 @@ def wraps(total: int, sign: str, x: int) -> bool:
 
 
 def split_of(question: str) -> str:
-    """'test' for one question in HELD_OUT, chosen by a hash of its text (the same on every machine)."""
+    """'test' for one question in HELD_OUT, chosen by a hash of its text (the same on
+    every machine)."""
     digest = hashlib.sha256(question.strip().encode()).digest()
     return "test" if int.from_bytes(digest[:8], "big") % HELD_OUT == 0 else "train"
 
@@ -125,8 +140,8 @@ ATTEMPTS = 20  # problems drawn per problem asked for, at most: small question s
 
 def arith_dataset(n: int, seed: int, steps: tuple[int, int] = (2, 5), slip: float = 0.0,
                   traps: tuple[int, int] | None = None, split: str | None = None) -> list[dict]:
-    """Up to n problems with distinct questions, all of `split` (None: either); fewer where its questions
-    run out (a short chain has few: 10 * 9^n of n steps), after ATTEMPTS * n draws."""
+    """Up to n problems with distinct questions, all of `split` (None: either); fewer where its
+    questions run out (a short chain has few: 10 * 9^n of n steps), after ATTEMPTS * n draws."""
     rng = random.Random(seed)
     draw = (lambda: trap_problem(rng, *steps, traps, slip)) if traps else \
         (lambda: arith_problem(rng, *steps, slip))
@@ -142,7 +157,8 @@ def arith_dataset(n: int, seed: int, steps: tuple[int, int] = (2, 5), slip: floa
 
 
 def check_fields(row, where: str, fields: tuple[str, str]):
-    """A JSON object with these two non-empty string fields, or a DataError naming where it is not."""
+    """A JSON object with these two non-empty string fields, or a DataError naming where
+    it is not."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object with '{fields[0]}' and '{fields[1]}', "
                         f"got {type(row).__name__}")
@@ -152,8 +168,9 @@ def check_fields(row, where: str, fields: tuple[str, str]):
         try:  # JSON's '\\ud800' escape: valid JSON, not text (sha256 and the tokenizer need UTF-8)
             row[field].encode("utf-8")
         except UnicodeEncodeError as e:
-            raise DataError(f"{where}: field '{field}' holds a lone surrogate ({row[field][e.start]!r} at "
-                            f"character {e.start}); expected text that UTF-8 can write") from None
+            raise DataError(f"{where}: field '{field}' holds a lone surrogate "
+                            f"({row[field][e.start]!r} at character {e.start}); "
+                            "expected text that UTF-8 can write") from None
 
 
 def check_problem(row, where: str) -> dict:
@@ -165,7 +182,8 @@ def check_problem(row, where: str) -> dict:
 
 def read_jsonl(path: str) -> list[dict]:
     try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is accepted
+        # a byte-order mark (Windows editors) is accepted
+        with open(path, encoding="utf-8-sig") as f:
             lines = f.readlines()
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read ({e})") from None
@@ -176,42 +194,55 @@ def read_jsonl(path: str) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); expected one object per line") from None
-        except RecursionError:  # Python's parser recurses: 200,000 '[' are valid JSON it cannot read
-            raise DataError(f"{path}:{i}: JSON nested too deeply; expected one object per line") from None
-        if not problems:  # the first row's fields choose the format: MATH's problem/solution, or GSM8K's
-            check = check_math_problem if isinstance(row, dict) and "problem" in row else check_problem
+            raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); "
+                            "expected one object per line") from None
+        except RecursionError:
+            # Python's parser recurses: 200,000 '[' are valid JSON it cannot read
+            raise DataError(f"{path}:{i}: JSON nested too deeply; "
+                            "expected one object per line") from None
+        # the first row's fields choose the format: MATH's problem/solution, or GSM8K's
+        if not problems:
+            check = (check_math_problem if isinstance(row, dict) and "problem" in row
+                     else check_problem)
         problems.append(check(row, f"{path}:{i}"))
     if not problems:
-        raise DataError(f"{path}: no problems found; expected JSON lines with 'question' and 'answer'")
+        raise DataError(f"{path}: no problems found; "
+                        "expected JSON lines with 'question' and 'answer'")
     return problems
 
 
 def load_problems(data: str, split: str, steps: str = "2-5", slip: float = 0.0, traps: str = "",
                   hold_out: bool = False, flag: str = "--data") -> list[dict]:
-    """'arith' (up to 2000 problems a split, the same for every seed; no held-out question is a training
-    question) | 'gsm8k' (openai/gsm8k) | a .jsonl file (any split; with hold_out, the questions of `split`
-    by split_of). Each problem with its prompt text: the reference's template, or the built-in task's.
-    steps, traps: arith's --arith-steps and --arith-traps, 'MIN-MAX' ('' traps: the plain task). flag: the
-    setting that names `data` (--data, --eval-data), for the messages."""
+    """'arith' (up to 2000 problems a split, the same for every seed; no held-out question is a
+    training question) | 'gsm8k' (openai/gsm8k) | a .jsonl file (any split; with hold_out, the
+    questions of `split` by split_of). Each problem with its prompt text: the reference's template,
+    or the built-in task's.
+    steps, traps: arith's --arith-steps and --arith-traps, 'MIN-MAX' ('' traps: the plain task).
+    flag: the setting that names `data` (--data, --eval-data), for the messages."""
     if data == "arith":
-        min_max, n_traps = (tuple(int(n) for n in s.split("-")) if s else None for s in (steps, traps))
-        problems = arith_dataset(2000, seed=0 if split == "train" else 10_000, steps=min_max, slip=slip,
-                                 traps=n_traps, split=split)
+        min_max, n_traps = (tuple(int(n) for n in s.split("-")) if s else None
+                            for s in (steps, traps))
+        problems = arith_dataset(2000, seed=0 if split == "train" else 10_000, steps=min_max,
+                                 slip=slip, traps=n_traps, split=split)
         if len(problems) < 2000 and split == "test":
-            print(f"--arith-steps {steps}: the held-out split has only {len(problems)} distinct questions")
+            print(f"--arith-steps {steps}: the held-out split has only {len(problems)} "
+                  "distinct questions")
     elif data.endswith(".jsonl"):
         problems = read_jsonl(data)
         if hold_out:
             problems = held_out_split(problems, data, split)
     elif data == "gsm8k":
-        problems = hub_problems(f"{flag} gsm8k", "openai/gsm8k", "main", split, check_problem, "GSM8K's format, "
+        problems = hub_problems(f"{flag} gsm8k", "openai/gsm8k", "main", split, check_problem,
+                                "GSM8K's format, "
                                 "one {\"question\": ..., \"answer\": ...} object per line")
     elif data == "math":
-        problems = hub_problems(f"{flag} math", MATH_HUB[split], None, split, check_math_problem, "MATH's format, "
-                                "one {\"problem\": ..., \"solution\": ...} object per line (PRM800K's math_splits)")
+        problems = hub_problems(f"{flag} math", MATH_HUB[split], None, split, check_math_problem,
+                                "MATH's format, "
+                                "one {\"problem\": ..., \"solution\": ...} object per line "
+                                "(PRM800K's math_splits)")
     else:
-        raise DataError(f"{flag} {data!r}: expected 'arith', 'gsm8k', 'math' or a path ending in .jsonl")
+        raise DataError(f"{flag} {data!r}: expected 'arith', 'gsm8k', 'math' "
+                        "or a path ending in .jsonl")
     template = ARITH_PROMPT if data == "arith" else PROMPT
     return [{**p, "prompt": template.format(question=p["question"].strip())} for p in problems]
 
@@ -221,9 +252,9 @@ def held_out_split(problems: list[dict], data: str, split: str) -> list[dict]:
     kept = [p for p in problems if split_of(p["question"]) == split]
     if not kept:
         distinct = len({p["question"].strip() for p in problems})
-        raise DataError(f"{data}: its {len(problems)} problems ({distinct} distinct questions) leave "
-                        f"the {split} split empty (one question in {HELD_OUT} is held out, by a hash "
-                        "of its text); give --eval-data")
+        raise DataError(f"{data}: its {len(problems)} problems ({distinct} distinct questions) "
+                        f"leave the {split} split empty (one question in {HELD_OUT} is held out, "
+                        "by a hash of its text); give --eval-data")
     if split == "test":
         print(f"--data {data} without --eval-data: one question in {HELD_OUT} ({len(kept)}) "
               "is held out for evaluation and not trained on")
@@ -231,7 +262,8 @@ def held_out_split(problems: list[dict], data: str, split: str) -> list[dict]:
 
 
 def is_math_data(data: str) -> bool:
-    """--data math, or a .jsonl whose first row has MATH's fields (read in full, and checked, when loaded)."""
+    """--data math, or a .jsonl whose first row has MATH's fields (read in full, and checked,
+    when loaded)."""
     if not data.endswith(".jsonl"):
         return data == "math"
     try:
@@ -241,29 +273,34 @@ def is_math_data(data: str) -> bool:
         return False  # read_jsonl then names the file and line
 
 
-def hub_problems(setting: str, repo: str, config: str | None, split: str, check, offline_format: str):
+def hub_problems(setting: str, repo: str, config: str | None, split: str, check,
+                 offline_format: str):
     from datasets import load_dataset  # imported here: the offline demo never needs it
     try:
         rows = load_dataset(repo, config, split=split)
     except Exception as e:  # offline, hub and cache errors all end here: one line, not a traceback
-        raise DataError(f"{setting}: cannot load {repo} from the hub ({first_line(e)}); offline, point "
-                        f"--data and --eval-data at local .jsonl files in {offline_format}") from None
+        raise DataError(f"{setting}: cannot load {repo} from the hub ({first_line(e)}); "
+                        "offline, point --data and --eval-data at local .jsonl files in "
+                        f"{offline_format}") from None
     return [check(r, f"{repo}[{split}][{i}]") for i, r in enumerate(rows)]
 
 
-def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0, world: int = 1) -> list[dict]:
+def draw_problems(problems: list[dict], n: int, seed: int, rank: int = 0,
+                  world: int = 1) -> list[dict]:
     """This process's equal share of n problems drawn with `seed` (the same in every process)."""
-    picked = random.Random(seed).sample(range(len(problems)), min(n, len(problems) // world * world))
+    picked = random.Random(seed).sample(range(len(problems)),
+                                        min(n, len(problems) // world * world))
     return [problems[i] for i in picked[rank::world]]
 
 
-# ---- MATH (Hendrycks et al. 2021): the answer in \\boxed{}, graded up to equivalence ------------------
+# ---- MATH (Hendrycks et al. 2021): the answer in \\boxed{}, graded up to equivalence -------------
 # PRM800K's split (the reference's): train on the 12,000 problems outside MATH-500, test on MATH-500
 MATH_HUB = {"train": "zzy1123/MATH_train_test_split", "test": "HuggingFaceH4/MATH-500"}
 
 
 def check_math_problem(row, where: str) -> dict:
-    """A MATH problem as the rest of the code reads one: 'question' = problem, 'answer' = gold solution."""
+    """A MATH problem as the rest of the code reads one: 'question' = problem,
+    'answer' = gold solution."""
     check_fields(row, where, ("problem", "solution"))
     if not math_answers(row["solution"], row["problem"]):
         raise DataError(f"{where}: 'solution' has no final answer (a \\boxed{{...}})")
@@ -271,17 +308,20 @@ def check_math_problem(row, where: str) -> dict:
 
 
 def is_math(problems: list[dict]) -> bool:
-    """True for MATH problems, False for GSM8K's format (arith too); one format for training and evaluation."""
+    """True for MATH problems, False for GSM8K's format (arith too); one format for training
+    and evaluation."""
     if len({bool(p.get("math")) for p in problems}) > 1:
-        raise DataError("--data and --eval-data: one holds MATH problems (problem/solution), the other GSM8K's "
-                        "(question/answer); they are graded differently, so give both in one format")
+        raise DataError("--data and --eval-data: one holds MATH problems (problem/solution), "
+                        "the other GSM8K's (question/answer); they are graded differently, "
+                        "so give both in one format")
     return bool(problems) and bool(problems[0].get("math"))
 
 
 def boxed_answers(text: str) -> list[str]:
     """The content of every brace-matched \\boxed{...}, with a '%' written just after it."""
     answers = []
-    text = re.sub(r"\\boxed ([^${}\n]+)", r"\\boxed{\1}", text)  # '\boxed 2$': the reference found none
+    # '\boxed 2$': the reference found none
+    text = re.sub(r"\\boxed ([^${}\n]+)", r"\\boxed{\1}", text)
     for piece in text.split("boxed{")[1:]:
         depth = 0
         for i, char in enumerate(piece):
@@ -298,9 +338,11 @@ CLOSING = re.compile(r"final answer is\s*(?:\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\
 
 
 def extracted_answers(text: str) -> list[str]:
-    """The reference's extract_answer: 'The final answer is $X$. I hope' (X boxed or not), else every
-    \\boxed{}, else what follows 'he answer is', else an ```output block, else the last number."""
-    closing = CLOSING.match(text, max(text.find("final answer is"), 0))  # the first only, as the reference
+    """The reference's extract_answer: 'The final answer is $X$. I hope' (X boxed or not),
+    else every \\boxed{}, else what follows 'he answer is', else an ```output block, else the
+    last number."""
+    # the first only, as the reference
+    closing = CLOSING.match(text, max(text.find("final answer is"), 0))
     if closing:
         found = next(group for group in closing.groups() if group is not None)
         return boxed_answers(found) if "boxed" in found else [found]
@@ -314,9 +356,9 @@ def extracted_answers(text: str) -> list[str]:
 
 
 def math_answers(text: str, problem: str = "", whole: bool = False) -> list:
-    """The reference's extract_math_answer: every extracted answer normalized, first line only, and split
-    into several: at commas when the problem asks for a list, at '\\text{ and }', at commas outside brackets.
-    whole: a list of each answer's parts."""
+    """The reference's extract_math_answer: every extracted answer normalized, first line only, and
+    split into several: at commas when the problem asks for a list, at '\\text{ and }', at commas
+    outside brackets. whole: a list of each answer's parts."""
     answers = [math_grader.answer_parts(answer, problem) for answer in extracted_answers(text)]
     return answers if whole else [part for parts in answers for part in parts]
 
@@ -327,7 +369,8 @@ def gold_math_answers(solution: str, problem: str) -> tuple[str, ...]:
 
 
 def math_reward(completion: str, gold_solution: str, problem: str = "") -> float:
-    """1.0 iff the completion's answers match those of the gold solution, extracted the same way (the
-    reference's eval_math; `problem` matters only when it asks for a list 'separated by commas')."""
+    """1.0 iff the completion's answers match those of the gold solution, extracted the same way
+    (the reference's eval_math; `problem` matters only when it asks for a list
+    'separated by commas')."""
     return float(math_grader.answers_match(math_answers(completion, problem, whole=True),
                                            list(gold_math_answers(gold_solution, problem))))
