@@ -1,6 +1,6 @@
-"""Models to and from disk, atomic checkpoints, the run's settings (OUT/config.json), and what --resume needs
-to continue a run exactly. Needs: parallel.py, value.py (the critic), reward.py (DataError). All engineering:
-a first reading may skip this file."""
+"""Models to and from disk, atomic checkpoints, the run's settings (OUT/config.json), and what
+--resume needs to continue a run exactly. Needs: parallel.py, value.py (the critic), reward.py
+(DataError). All engineering: a first reading may skip this file."""
 import dataclasses
 import hashlib
 import json
@@ -22,11 +22,12 @@ ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's 
 MATH_ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-MATH"}  # and its MATH one (--data math)
 # what the optimizers and LR schedules restored from a checkpoint were built with, and keep
 RATES = ("lr", "critic_lr", "warmup")
-# what a resumed run cannot change: its models, its prompts, what it trains on and is evaluated on (the
-# contents of .jsonl files too: data_files), what the reference was made from, its RATES
-RESUME_MUST_MATCH = ("model", "data", "eval_data", "eval_problems", "max_prompt_tokens", "algo", "value_head",
-                     "fsdp", "seed", "arith_steps", "arith_slip", "arith_traps", "sft_steps", "sft_lr", "sft_batch",
-                     "prompt_template", "chat", "system", "answer") + RATES
+# what a resumed run cannot change: its models, its prompts, what it trains on and is evaluated on
+# (the contents of .jsonl files too: data_files), what the reference was made from, its RATES
+RESUME_MUST_MATCH = ("model", "data", "eval_data", "eval_problems", "max_prompt_tokens", "algo",
+                     "value_head", "fsdp", "seed", "arith_steps", "arith_slip", "arith_traps",
+                     "sft_steps", "sft_lr", "sft_batch", "prompt_template", "chat", "system",
+                     "answer") + RATES
 RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
 # what else a run writes in --out (or a kill leaves there): --overwrite removes these too
 LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "metrics.jsonl.tmp",
@@ -34,12 +35,15 @@ LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "m
 
 
 def record_settings(cfg):
-    """Every setting to OUT/config.json (atomically; --resume checks against it), and those that differ
-    from the defaults (a preset's included) printed as flags, so that a run says what it runs with."""
+    """Every setting to OUT/config.json (atomically; --resume checks against it), and those that
+    differ from the defaults (a preset's included) printed as flags, so that a run says what it
+    runs with."""
     if parallel.rank() != 0:
         return
-    settings, defaults = dataclasses.asdict(cfg), {f.name: f.default for f in dataclasses.fields(cfg)}
-    quoted = lambda v: (repr(v) if "\n" in v else shlex.quote(v)) if isinstance(v, str) else v  # a template
+    settings, defaults = (dataclasses.asdict(cfg),
+                          {f.name: f.default for f in dataclasses.fields(cfg)})
+    quoted = lambda v: ((repr(v) if "\n" in v else shlex.quote(v))  # a template
+                        if isinstance(v, str) else v)
     flag = lambda k, v: f"--{k.replace('_', '-')}" + ("" if v is True else f" {quoted(v)}")
     changed = [flag(k, v) for k, v in settings.items() if v != defaults[k] and v is not False]
     path = os.path.join(cfg.out, "config.json")
@@ -50,7 +54,8 @@ def record_settings(cfg):
 
 
 def data_files(cfg) -> dict:
-    """The SHA-256 of each .jsonl the run reads (--data, --eval-data): a resumed run must read the same."""
+    """The SHA-256 of each .jsonl the run reads (--data, --eval-data): a resumed run must read
+    the same."""
     digests = {}
     for name in ("data", "eval_data"):
         path = getattr(cfg, name)
@@ -79,43 +84,49 @@ def start_again(problem: str) -> DataError:
 
 
 def build_tiny_model(path: str, seed: int):
-    """A 4-layer, 128-wide random Llama with a character-level tokenizer, saved as a hub model would be."""
+    """A 4-layer, 128-wide random Llama with a character-level tokenizer, saved as a hub model
+    would be."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     chars = ["\n"] + [chr(c) for c in range(32, 127)]
     vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + chars)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # one token per char
+    # one token per char
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tk.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
                                   pad_token="<pad>", unk_token="<unk>")
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=384,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0, tie_word_embeddings=True)
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
 
 
-def load_model(name: str, device, trust_remote_code=False, resuming: bool = False, flag: str = "--model"):
-    """(tokenizer, model) from a hub id or a directory; resuming: a directory of the run in --out; flag: the
-    setting that named it, for the messages."""
+def load_model(name: str, device, trust_remote_code=False, resuming: bool = False,
+               flag: str = "--model"):
+    """(tokenizer, model) from a hub id or a directory; resuming: a directory of the run in --out;
+    flag: the setting that named it, for the messages."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     if name.endswith(".gguf"):
         return load_gguf(name, device, flag)
-    # a hub id is 'name' or 'owner/name'; anything else (./x, /x, a/b/c) can only be a local directory
+    # a hub id is 'name' or 'owner/name';
+    # anything else (./x, /x, a/b/c) can only be a local directory
     hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) and not name.startswith(".")
     try:
         if (resuming or not hub_id) and not os.path.isdir(name):
             raise FileNotFoundError("no such directory")
         if os.path.isdir(name) and not os.path.exists(os.path.join(name, "config.json")):
-            raise FileNotFoundError("a directory without config.json: expected one written by save_pretrained "
-                                    "(model and tokenizer)")
+            raise FileNotFoundError("a directory without config.json: expected one written by "
+                                    "save_pretrained (model and tokenizer)")
         try:
             tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
         except Exception as e:  # no tokenizer files: "Couldn't instantiate the backend tokenizer"
             raise without_tokenizer(name, e) from None
-        config = without_dropout(AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code))
+        config = without_dropout(AutoConfig.from_pretrained(name,
+                                                            trust_remote_code=trust_remote_code))
         model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code)
         model.to(device)
@@ -126,8 +137,9 @@ def load_model(name: str, device, trust_remote_code=False, resuming: bool = Fals
             raise DataError(f"{flag} {name!r}: {first_line(e)}") from None
         local = "" if os.path.isdir(name) else "no local directory of that name, nor on the hub: "
         raise DataError(f"{flag} {name!r}: cannot load it ({local}{first_line(e)}); offline, point "
-                        f"{flag} at a local directory written by save_pretrained (model and tokenizer); also "
-                        f"accepted: 'tiny', {', '.join(sorted(ALIASES))} or a reachable hub id") from None
+                        f"{flag} at a local directory written by save_pretrained (model and "
+                        f"tokenizer); also accepted: 'tiny', {', '.join(sorted(ALIASES))} or a "
+                        "reachable hub id") from None
     return tok, model
 
 
@@ -153,10 +165,12 @@ def without_tokenizer(name: str, error: Exception) -> Exception:
 
 
 def without_dropout(config):
-    """The config with every dropout probability 0 (GPT-2's attn_pdrop, Llama's attention_dropout, ...), its
-    sub-configs' too: old and new log-probs, the reference's and the critic's come from one network."""
+    """The config with every dropout probability 0 (GPT-2's attn_pdrop, Llama's
+    attention_dropout, ...), its sub-configs' too: old and new log-probs, the reference's and the
+    critic's come from one network."""
     for key, v in vars(config).items():
-        if hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a sub-config (a multimodal model's text part)
+        # a sub-config (a multimodal model's text part)
+        if hasattr(v, "to_dict") and hasattr(v, "model_type"):
             without_dropout(v)
         elif isinstance(v, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
@@ -164,8 +178,8 @@ def without_dropout(config):
 
 
 def load_gguf(path: str, device, flag: str = "--model"):
-    """(tokenizer, model) of a .gguf file, de-quantised to fp32 by transformers' GGUF reader (it needs the
-    gguf package); built from its config, so accelerate is not needed."""
+    """(tokenizer, model) of a .gguf file, de-quantised to fp32 by transformers' GGUF reader (it
+    needs the gguf package); built from its config, so accelerate is not needed."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     if os.path.isdir(path):
@@ -178,22 +192,26 @@ def load_gguf(path: str, device, flag: str = "--model"):
         config = without_dropout(AutoConfig.from_pretrained(folder, gguf_file=file))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-        missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()},
-                                                    strict=False)
+        missing, unexpected = model.load_state_dict(
+            {k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
         model.tie_weights()
         tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
         if set(missing) - tied or unexpected:
-            raise ValueError(f"weights missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}")
-    except Exception as e:  # no gguf package, an architecture transformers cannot read from GGUF, a bad file
+            raise ValueError(f"weights missing {sorted(set(missing) - tied)[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+    except Exception as e:
+        # no gguf package, an architecture transformers cannot read from GGUF, a bad file
         raise DataError(f"{flag} {path!r}: cannot load it as GGUF ({first_line(e)}); it needs the "
                         "gguf package (pip install gguf)") from None
     return tok, model.to(device)
 
 
-def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None, name: str = "checkpoint",
-                    policy_weights: dict | None = None, critic_weights: dict | None = None):
-    """Write OUT/name atomically; *_weights: full FSDP state dicts. A kill at any instant, leftovers of an
-    earlier one included, leaves name/ complete, or no name/ and a complete name.old/ (last_checkpoint)."""
+def save_checkpoint(out: str, policy, tok, state: dict | None = None, critic=None,
+                    name: str = "checkpoint", policy_weights: dict | None = None,
+                    critic_weights: dict | None = None):
+    """Write OUT/name atomically; *_weights: full FSDP state dicts. A kill at any instant, leftovers
+    of an earlier one included, leaves name/ complete, or no name/ and a complete name.old/
+    (last_checkpoint)."""
     final, tmp, old = (os.path.join(out, name + suffix) for suffix in ("", ".tmp", ".old"))
     try:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed
@@ -213,7 +231,8 @@ def write_checkpoint(path: str, policy, tok, state, critic, policy_weights, crit
     tok.save_pretrained(path)
     if critic is not None:
         critic_weights = critic_weights or critic.state_dict()
-        part = lambda prefix: {k[len(prefix):]: v for k, v in critic_weights.items() if k.startswith(prefix)}
+        part = lambda prefix: {k[len(prefix):]: v for k, v in critic_weights.items()
+                               if k.startswith(prefix)}
         critic.backbone.save_pretrained(os.path.join(path, "critic"), state_dict=part("backbone."))
         torch.save({"head": critic.head_type, "state": part("head.")},
                    os.path.join(path, "critic", "value_head.pt"))
@@ -229,7 +248,8 @@ def load_critic(checkpoint: str, device):
     from transformers import AutoConfig, AutoModel
     try:
         head = load_plain(os.path.join(path, "value_head.pt"))
-        backbone = AutoModel.from_pretrained(path, config=without_dropout(AutoConfig.from_pretrained(path)))
+        backbone = AutoModel.from_pretrained(
+            path, config=without_dropout(AutoConfig.from_pretrained(path)))
         critic = value.Critic(backbone, head["head"])
         critic.head.load_state_dict(head["state"])
     except Exception as e:  # a PPO run's checkpoint without its critic cannot continue
@@ -246,12 +266,14 @@ def last_checkpoint(out: str) -> str | None:
 
 
 def find_resume(cfg) -> tuple[str | None, dict | None]:
-    """--resume: the last complete checkpoint and its state, checked; (None, None) for a fresh start."""
+    """--resume: the last complete checkpoint and its state, checked; (None, None) for a fresh
+    start."""
     if not cfg.resume:
         return None, None
     path = last_checkpoint(cfg.out)
     if path is None:
-        if any(os.path.exists(os.path.join(cfg.out, name)) for name in ("checkpoint", "checkpoint.old")):
+        if any(os.path.exists(os.path.join(cfg.out, name))
+               for name in ("checkpoint", "checkpoint.old")):
             raise start_again(f"{cfg.out}/checkpoint has no trainer_state.pt to continue from")
         # killed before its first checkpoint: starting over loses only rows a resume would drop too
         tqdm.write(f"--resume: no checkpoint in {cfg.out} yet, starting from scratch")
@@ -259,10 +281,12 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
     try:
         state = load_plain(os.path.join(path, "trainer_state.pt"))
     except Exception as e:  # a damaged file: refuse, never start over on top of the results
-        raise DataError(f"--resume: {path}/trainer_state.pt cannot be read ({first_line(e)})") from None
+        raise DataError(f"--resume: {path}/trainer_state.pt cannot be read "
+                        f"({first_line(e)})") from None
     check_shape(state, f"{path}/trainer_state.pt")
     settings = recorded_settings(cfg.out)  # the authority on what the run was started with
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}  # a setting newer than the run: its default
+    # a setting newer than the run: its default
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for key in RESUME_MUST_MATCH:
         written = settings.get(key, defaults[key])
         if written != getattr(cfg, key):
@@ -274,8 +298,9 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
     recorded = settings.get("data_files")  # None: written before the files were recorded, unchecked
     for key, digest in data_files(cfg).items():
         if isinstance(recorded, dict) and recorded.get(key) != digest:
-            raise DataError(f"--resume: --{key.replace('_', '-')} {getattr(cfg, key)} has changed since "
-                            f"{cfg.out} was written; the run would train or evaluate on other problems")
+            raise DataError(f"--resume: --{key.replace('_', '-')} {getattr(cfg, key)} has changed "
+                            f"since {cfg.out} was written; the run would train or evaluate on "
+                            "other problems")
     if state["iteration"] >= cfg.iterations and parallel.rank() == 0:
         tqdm.write(f"--resume: the checkpoint is at iteration {state['iteration']}, --iterations "
                    f"{cfg.iterations}: nothing to train")
@@ -286,14 +311,14 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
 
 
 def load_plain(path: str):
-    """torch.load of tensors and plain data only (weights_only): a file holding anything else is refused
-    with what it holds, not with torch's advice to load it unsafely."""
+    """torch.load of tensors and plain data only (weights_only): a file holding anything else is
+    refused with what it holds, not with torch's advice to load it unsafely."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        raise ValueError(f"it holds {found.group(1) if found else 'objects'}, not only tensors and plain data; "
-                         "train.py does not write such files") from None
+        raise ValueError(f"it holds {found.group(1) if found else 'objects'}, not only tensors and "
+                         "plain data; train.py does not write such files") from None
 
 
 def check_shape(state, path: str):
@@ -305,35 +330,42 @@ def check_shape(state, path: str):
 
 
 def save_training_state(cfg, iteration: int, tok, policy, critic):
-    """Checkpoint weights, optimizers, schedules and random streams; called on every process, one writes."""
+    """Checkpoint weights, optimizers, schedules and random streams; called on every process, one
+    writes."""
     learners = [policy] + ([critic] if critic is not None else [])
     optimizers = [{"optimizer": parallel.optimizer_state(learner.model, learner.optimizer),
                    "scheduler": learner.scheduler.state_dict()} for learner in learners]
     policy_weights = parallel.full_state_dict(policy.model)
     critic_weights = parallel.full_state_dict(critic.model) if critic is not None else None
-    # CUDA: this process's device only (touching every GPU from every process would open a context on each)
+    # CUDA: this process's device only
+    # (touching every GPU from every process would open a context on each)
     cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
-    rngs = parallel.gather({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda})
+    rngs = parallel.gather({"python": random.getstate(), "torch": torch.get_rng_state(),
+                            "cuda": cuda})
     if parallel.rank() == 0:
-        state = {"iteration": iteration, "optimizers": optimizers, "rng": rngs}  # settings: OUT/config.json
+        # settings: OUT/config.json
+        state = {"iteration": iteration, "optimizers": optimizers, "rng": rngs}
         save_checkpoint(cfg.out, policy.model, tok, state, critic and critic.model,
                         policy_weights=policy_weights, critic_weights=critic_weights)
 
 
 def restore_training_state(cfg, state: dict | None, learners: list) -> int | None:
-    """The last iteration done (None: a fresh run); on resume, the optimizers, schedules and random streams."""
+    """The last iteration done (None: a fresh run); on resume, the optimizers, schedules and random
+    streams."""
     if state is None:
         return None
     try:
         restore_states(cfg, state, learners)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise start_again(f"the trainer state in {cfg.out} does not fit this run ({first_line(e)})") from None
+        raise start_again(f"the trainer state in {cfg.out} does not fit this run "
+                          f"({first_line(e)})") from None
     return state["iteration"]
 
 
 def rows_to_keep(out: str, state: dict | None) -> dict:
-    """{path: rows} of metrics.jsonl and samples.jsonl as the run goes on from them (write_rows): none for a
-    fresh run, the rows up to the checkpoint on resume (read here, before the run writes anything)."""
+    """{path: rows} of metrics.jsonl and samples.jsonl as the run goes on from them (write_rows):
+    none for a fresh run, the rows up to the checkpoint on resume (read here, before the run writes
+    anything)."""
     paths = [os.path.join(out, name) for name in ("metrics.jsonl", "samples.jsonl")]
     if state is None:
         return dict.fromkeys(paths, [])
@@ -375,14 +407,15 @@ def restore_states(cfg, state: dict, learners: list):
         if rng["cuda"]:
             torch.cuda.set_rng_state(rng["cuda"][0])
     else:
-        tqdm.write(f"--resume: written by {len(state['rng'])} processes, now {parallel.world_size()}: "
-                   "random streams reseeded")
+        tqdm.write(f"--resume: written by {len(state['rng'])} processes, now "
+                   f"{parallel.world_size()}: random streams reseeded")
         torch.manual_seed(cfg.seed + parallel.rank() + 1000 * (state["iteration"] + 1))
 
 
 def rows_up_to(path: str, last_iteration: int) -> list[str]:
-    """The rows up to the checkpoint: a resumed run neither repeats nor skips one. A last line without its
-    newline was torn by a kill and is dropped; any other line that is not a row is refused, not deleted."""
+    """The rows up to the checkpoint: a resumed run neither repeats nor skips one. A last line
+    without its newline was torn by a kill and is dropped; any other line that is not a row is
+    refused, not deleted."""
     with open(path, "rb") as f:
         lines = f.readlines()
     if lines and not lines[-1].endswith(b"\n"):
@@ -394,8 +427,9 @@ def rows_up_to(path: str, last_iteration: int) -> list[str]:
         except ValueError:  # not UTF-8, not JSON
             row = None
         if not isinstance(row, dict) or type(row.get("iteration")) is not int:
-            raise DataError(f"--resume: {path}:{number}: expected a row of this run, a JSON object with an "
-                            "integer 'iteration'; remove the line, or --overwrite starts the run again")
+            raise DataError(f"--resume: {path}:{number}: expected a row of this run, a JSON object "
+                            "with an integer 'iteration'; remove the line, or --overwrite starts "
+                            "the run again")
         if row["iteration"] <= last_iteration:
             rows.append(line.decode("utf-8"))
     return rows
@@ -406,4 +440,5 @@ def resume_hint(out: str) -> str:
     path = last_checkpoint(out)
     if path is None:
         return f"no checkpoint in {out} yet: --resume starts the run again"
-    return f"the last checkpoint is {path}: --resume (in place of any --overwrite) continues from it"
+    return (f"the last checkpoint is {path}: --resume (in place of any --overwrite) "
+            "continues from it")

@@ -1,11 +1,12 @@
-"""Everything before the first iteration: process, precision, output directory, data, models (SFT warm
-start, frozen reference, critic) and optimizers; on --resume, all of it as the last checkpoint left it.
---precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed setup), on CPUs too.
+"""Everything before the first iteration: process, precision, output directory, data, models (SFT
+warm start, frozen reference, critic) and optimizers; on --resume, all of it as the last checkpoint
+left it. --precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed
+setup), on CPUs too.
 
-Needs: checkpoint.py, parallel.py, ppo.py (Learner), prompts.py (prompts, SFT examples), reward.py (data),
-rollout.py (padding),
-value.py (Critic). All engineering around the algorithm (the SFT warm start: the loss on the solution's
-tokens only, as the reference's trainers/mle_trainer.py): a first reading may skip this file."""
+Needs: checkpoint.py, parallel.py, ppo.py (Learner), prompts.py (prompts, SFT examples), reward.py
+(data), rollout.py (padding), value.py (Critic). All engineering around the algorithm (the SFT warm
+start: the loss on the solution's tokens only, as the reference's trainers/mle_trainer.py): a first
+reading may skip this file."""
 import copy
 import fcntl
 import math
@@ -29,7 +30,8 @@ import value
 from reward import DataError, first_line
 
 PRECISIONS = ("fp32", "bf16")
-RECOMPUTE = dict(activation_checkpointing_kwargs={"use_reentrant": False})  # so DDP and FSDP take it
+# so DDP and FSDP take it
+RECOMPUTE = dict(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def default_precision(device: torch.device) -> str:
@@ -39,16 +41,19 @@ def default_precision(device: torch.device) -> str:
 
 def autocast(device: torch.device, precision: str):
     assert precision in PRECISIONS, precision
-    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+    return (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+            else nullcontext())
 
 
 def cast_linear_weights(model, precision: str):
-    """bf16: a frozen model's nn.Linear weights in bf16, which autocast casts anyway: the same numbers (KL 0
-    at equal weights) in half the memory. Not model.to(bf16): norms and RoPE would round too."""
+    """bf16: a frozen model's nn.Linear weights in bf16, which autocast casts anyway: the same
+    numbers (KL 0 at equal weights) in half the memory. Not model.to(bf16): norms and RoPE would
+    round too."""
     if precision == "bf16":
         embedding = model.get_input_embeddings().weight
         for module in model.modules():
-            if isinstance(module, nn.Linear) and module.weight is not embedding:  # a tied one is read uncast
+            # a tied one is read uncast
+            if isinstance(module, nn.Linear) and module.weight is not embedding:
                 module.to(torch.bfloat16)
     return model
 
@@ -57,13 +62,15 @@ def start_process(cfg):
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     rank, world, device = parallel.init(torch.device(auto if cfg.device == "auto" else cfg.device))
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise DataError(f"--device {cfg.device}: no CUDA device is available here (use --device cpu)")
+        raise DataError(f"--device {cfg.device}: no CUDA device is available here "
+                        "(use --device cpu)")
     for name in ("prompts_per_iter", "minibatch"):  # torchrun: each process takes an equal share
         if getattr(cfg, name) % world:
             raise DataError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: "
                             f"must be divisible by the {world} processes")
     if cfg.fsdp and world == 1 and rank == 0:
-        tqdm.write("warning: --fsdp: ignored (one process, nothing to shard: it shards under torchrun)")
+        tqdm.write("warning: --fsdp: ignored (one process, nothing to shard: it shards under "
+                   "torchrun)")
     random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)  # processes sample different responses
     cfg.precision = cfg.precision or default_precision(device)
@@ -71,9 +78,9 @@ def start_process(cfg):
 
 
 def start_run(cfg, device, autocast):
-    """Data, models, learners (ppo.Learner) and the last iteration done (None for a fresh run). All that can
-    refuse the run comes first (load_run): a refused start changes nothing on disk, and --overwrite removes
-    the earlier run only once nothing is left to fail (begin_writing)."""
+    """Data, models, learners (ppo.Learner) and the last iteration done (None for a fresh run). All
+    that can refuse the run comes first (load_run): a refused start changes nothing on disk, and
+    --overwrite removes the earlier run only once nothing is left to fail (begin_writing)."""
     global tiny_in_progress
     try:
         tok, train_set, eval_set, ref, learners, state, rows = load_run(cfg, device, autocast)
@@ -93,33 +100,41 @@ def start_run(cfg, device, autocast):
 
 
 def load_run(cfg, device, autocast):
-    """Everything start_run needs, checked, with nothing written yet: a refusal leaves --out as it was."""
+    """Everything start_run needs, checked, with nothing written yet: a refusal leaves --out as it
+    was."""
     check_out_apart_from_model(cfg)
     prepare_out(cfg)
     go_offline_without_hub(cfg)
-    task = dict(steps=cfg.arith_steps, traps=cfg.arith_traps, hold_out=not cfg.eval_data)  # .jsonl: no overlap
+    task = dict(steps=cfg.arith_steps, traps=cfg.arith_traps,
+                hold_out=not cfg.eval_data)  # .jsonl: no overlap
     train_set = reward.load_problems(cfg.data, "train", slip=cfg.arith_slip, **task)
-    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test", flag="--eval-data" if cfg.eval_data
-                                    else "--data", **task)[: cfg.eval_problems or None]
+    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test",
+                                    flag="--eval-data" if cfg.eval_data else "--data",
+                                    **task)[: cfg.eval_problems or None]
     reward.is_math(train_set + eval_set)  # one format for both: MATH's grader and steps, or GSM8K's
     warn_if_trained_on(train_set, eval_set)
     resume_from, state = checkpoint.find_resume(cfg)
-    rows = checkpoint.rows_to_keep(cfg.out, state)  # a row that --resume cannot read refuses it here
+    # a row that --resume cannot read refuses it here
+    rows = checkpoint.rows_to_keep(cfg.out, state)
     tok, policy, ref = load_policy_and_reference(cfg, resume_from, device)
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable(**RECOMPUTE)
     context = getattr(policy.config, "max_position_embeddings", None)
     prompts.pose_problems(cfg, tok, train_set + eval_set, context)
     announce_fork(cfg, policy)
-    train_set, eval_set = (prompts.drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
-                           for problems, split in ((train_set, "training"), (eval_set, "held-out")))
+    train_set, eval_set = (
+        prompts.drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
+        for problems, split in ((train_set, "training"), (eval_set, "held-out")))
     fit_prompts_per_iter(cfg, len(train_set))
-    if cfg.sft_steps and not resume_from:  # the KL reference and the critic start from the SFT policy
+    # the KL reference and the critic start from the SFT policy
+    if cfg.sft_steps and not resume_from:
         sft_warm_start(policy, tok, train_set, cfg, device, autocast)
         ref.load_state_dict(parallel.full_state_dict(policy))
         if not all(torch.isfinite(w).all() for w in ref.state_dict().values()):
-            raise DataError(f"--sft-lr {cfg.sft_lr}: the weights are no longer finite after SFT; lower it")
-    critic = None  # PPO / TPPO: a copy of the starting policy's backbone with a value head (value.py)
+            raise DataError(f"--sft-lr {cfg.sft_lr}: the weights are no longer finite after SFT; "
+                            "lower it")
+    # PPO / TPPO: a copy of the starting policy's backbone with a value head (value.py)
+    critic = None
     if cfg.algo in ("ppo", "tppo"):
         critic = checkpoint.load_critic(resume_from, device) if resume_from else \
             value.Critic(copy.deepcopy(ref.base_model), cfg.value_head).to(device)
@@ -127,52 +142,62 @@ def load_run(cfg, device, autocast):
             raise checkpoint.start_again(f"{resume_from} has no critic/")
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
             critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
-    steps_per_iteration = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt / cfg.minibatch)
+    steps_per_iteration = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt
+                                                 / cfg.minibatch)
     total = cfg.iterations * steps_per_iteration
-    # the policy does not step during --critic-warmup: its schedule spans the iterations after it, down to 0
+    # the policy does not step during --critic-warmup:
+    # its schedule spans the iterations after it, down to 0
     policy_total = max(0, cfg.iterations - cfg.critic_warmup) * steps_per_iteration
     learners = [ppo.Learner(model, lr, steps, int(cfg.warmup * steps), cfg.fsdp, device)
-                for model, lr, steps in [(policy, cfg.lr, policy_total), (critic, cfg.critic_lr, total)]
+                for model, lr, steps in [(policy, cfg.lr, policy_total),
+                                         (critic, cfg.critic_lr, total)]
                 if model is not None]
     checkpoint.restore_training_state(cfg, state, learners)
     return tok, train_set, eval_set, ref, learners, state, rows
 
 
 def begin_writing(cfg, state, rows: dict, sft_reference, tok):
-    """The run's first writes, once nothing can refuse it: --overwrite's removal of the earlier run, the
-    tiny model built for it, the SFT reference (resumed runs reload it), the settings, the results so far."""
+    """The run's first writes, once nothing can refuse it: --overwrite's removal of the earlier run,
+    the tiny model built for it, the SFT reference (resumed runs reload it), the settings, the
+    results so far."""
     if parallel.rank() == 0:
         if cfg.overwrite:
             remove_earlier_run(cfg.out)
         tiny = os.path.join(cfg.out, "tiny-init")
-        if cfg.model == "tiny" and state is None:  # built for this run (build_tiny): a resumed run reloads it
+        # built for this run (build_tiny): a resumed run reloads it
+        if cfg.model == "tiny" and state is None:
             shutil.rmtree(tiny, ignore_errors=True)
             os.replace(tiny + ".tmp", tiny)
         if sft_reference is not None:
             checkpoint.save_checkpoint(cfg.out, sft_reference, tok, name="reference")
-        if state is None or state["iteration"] < cfg.iterations:  # a run that trains records what it runs with
+        # a run that trains records what it runs with
+        if state is None or state["iteration"] < cfg.iterations:
             checkpoint.record_settings(cfg)
         checkpoint.write_rows(rows)
     parallel.barrier()
 
 
 def check_out_apart_from_model(cfg):
-    """--out may not be the --model directory nor inside it, nor hold it where the run writes or removes
-    (OUT/checkpoint after --overwrite): the run would write over the model it starts from, or delete it."""
+    """--out may not be the --model directory nor inside it, nor hold it where the run writes or
+    removes (OUT/checkpoint after --overwrite): the run would write over the model it starts from,
+    or delete it."""
     model = checkpoint.ALIASES.get(cfg.model, cfg.model)
     if model == "tiny" or not os.path.isdir(model):
         return
     out, model = os.path.realpath(cfg.out), os.path.realpath(model)
     inside = lambda path, folder: path == folder or path.startswith(os.path.join(folder, ""))
-    runs_own = any(inside(model, os.path.join(out, name)) for name in checkpoint.RESULTS + checkpoint.LEFTOVERS)
+    runs_own = any(inside(model, os.path.join(out, name))
+                   for name in checkpoint.RESULTS + checkpoint.LEFTOVERS)
     if inside(out, model) or runs_own:
-        where = "is" if out == model else "is inside" if inside(out, model) else "holds it as the run's own"
-        raise DataError(f"--out {cfg.out!r} {where} --model {cfg.model!r}: the run would write over the "
-                        "model it starts from; choose an --out apart from it")
+        where = ("is" if out == model else "is inside" if inside(out, model)
+                 else "holds it as the run's own")
+        raise DataError(f"--out {cfg.out!r} {where} --model {cfg.model!r}: the run would write "
+                        "over the model it starts from; choose an --out apart from it")
 
 
 def prepare_out(cfg):
-    """--out made, locked for this run, checked for an earlier run and writable; nothing removed yet."""
+    """--out made, locked for this run, checked for an earlier run and writable; nothing removed
+    yet."""
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise DataError(f"--out {cfg.out!r} is a file, not a directory")
     if os.path.islink(cfg.out) and not os.path.exists(cfg.out):
@@ -207,8 +232,8 @@ held_lock = None  # OUT/.lock, open and locked while this process lives
 
 
 def lock_out(out: str):
-    """A second run into the same --out is refused. flock: the OS releases the lock when its process ends,
-    however it ends, so a killed run's lock is taken over, never a reason to refuse."""
+    """A second run into the same --out is refused. flock: the OS releases the lock when its process
+    ends, however it ends, so a killed run's lock is taken over, never a reason to refuse."""
     global held_lock
     if held_lock is not None:  # a process that trained before (tests) runs one training at a time
         held_lock.close()
@@ -219,10 +244,11 @@ def lock_out(out: str):
         lock.seek(0)
         holder = lock.read().strip() or "another process"
         lock.close()
-        raise DataError(f"--out {out!r} is in use by a run that is still going ({holder}): wait for it to "
-                        "end, or choose another --out") from None
+        raise DataError(f"--out {out!r} is in use by a run that is still going ({holder}): wait "
+                        "for it to end, or choose another --out") from None
     except OSError as e:  # a file system without locks
-        tqdm.write(f"warning: --out {out!r} cannot be locked ({e.strerror}): nothing stops a second run in it")
+        tqdm.write(f"warning: --out {out!r} cannot be locked ({e.strerror}): nothing stops a "
+                   "second run in it")
         return
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -231,17 +257,21 @@ def lock_out(out: str):
 
 
 def load_policy_and_reference(cfg, resume_from: str | None, device):
-    """(tokenizer, policy, reference): on resume the reference is OUT/reference (after SFT) or the start."""
+    """(tokenizer, policy, reference): on resume the reference is OUT/reference (after SFT) or the
+    start."""
     name = checkpoint.ALIASES.get(cfg.model, cfg.model)
     if name == "tiny":
         name = os.path.join(cfg.out, "tiny-init")
-        if not resume_from:  # built beside an earlier run's, which --overwrite replaces (begin_writing)
+        # built beside an earlier run's, which --overwrite replaces (begin_writing)
+        if not resume_from:
             name = build_tiny(name + ".tmp", cfg.seed)
-    tok, policy = checkpoint.load_model(resume_from or name, device, cfg.trust_remote_code, bool(resume_from))
+    tok, policy = checkpoint.load_model(resume_from or name, device, cfg.trust_remote_code,
+                                        bool(resume_from))
     if not resume_from:
         return tok, policy, copy.deepcopy(policy)
     ref_path = os.path.join(cfg.out, "reference") if cfg.sft_steps else name
-    in_out = ref_path.startswith(os.path.join(cfg.out, ""))  # OUT/reference, OUT/tiny-init: the run's own
+    # OUT/reference, OUT/tiny-init: the run's own
+    in_out = ref_path.startswith(os.path.join(cfg.out, ""))
     return tok, policy, checkpoint.load_model(ref_path, device, cfg.trust_remote_code, in_out)[1]
 
 
@@ -249,7 +279,8 @@ tiny_in_progress = None  # OUT/tiny-init.tmp while this process builds it, until
 
 
 def build_tiny(path: str, seed: int) -> str:
-    """checkpoint.build_tiny_model at path, written by the first process; a failed write is one line."""
+    """checkpoint.build_tiny_model at path, written by the first process; a failed write is one
+    line."""
     global tiny_in_progress
     if parallel.rank() == 0:
         tiny_in_progress = path  # built under this run's lock of --out (prepare_out came first)
@@ -274,33 +305,39 @@ def warn_if_trained_on(train_set: list[dict], eval_set: list[dict]):
 
 
 def fit_prompts_per_iter(cfg, available: int):
-    """More prompts an iteration than the training set holds: all of it, said once, and the LR schedule
-    sized to what runs (draw_problems takes at most a multiple of the processes)."""
+    """More prompts an iteration than the training set holds: all of it, said once, and the LR
+    schedule sized to what runs (draw_problems takes at most a multiple of the processes)."""
     fits = min(cfg.prompts_per_iter, available // parallel.world_size() * parallel.world_size())
     if fits < cfg.prompts_per_iter:
         if parallel.rank() == 0:
-            tqdm.write(f"--prompts-per-iter {cfg.prompts_per_iter}: the training set has {available} problems; "
-                       f"{fits} an iteration")
+            tqdm.write(f"--prompts-per-iter {cfg.prompts_per_iter}: the training set has "
+                       f"{available} problems; {fits} an iteration")
         cfg.prompts_per_iter = fits
 
 
 def go_offline_without_hub(cfg):
-    """Offline, the hub libraries retry each file for ~25 s before they fail: one quick look at the hub
-    first, and if it cannot be reached they run offline (cached files only, a missing one fails at once)."""
+    """Offline, the hub libraries retry each file for ~25 s before they fail: one quick look at the
+    hub first, and if it cannot be reached they run offline (cached files only, a missing one fails
+    at once)."""
     from huggingface_hub import constants, get_session
     model = checkpoint.ALIASES.get(cfg.model, cfg.model)
-    needs_hub = (model != "tiny" and not os.path.exists(model)) or {"gsm8k", "math"} & {cfg.data, cfg.eval_data}
+    needs_hub = ((model != "tiny" and not os.path.exists(model))
+                 or {"gsm8k", "math"} & {cfg.data, cfg.eval_data})
     if not needs_hub or constants.HF_HUB_OFFLINE:
         return
     try:
         get_session().head(constants.ENDPOINT, timeout=5)
-    except Exception as e:  # no network, no name resolution, a firewall: offline mode, as if HF_HUB_OFFLINE=1
-        constants.HF_HUB_OFFLINE = True  # read by transformers at each call, by datasets when imported
-        tqdm.write(f"the hub ({constants.ENDPOINT}) cannot be reached ({first_line(e)}): cached files only")
+    except Exception as e:
+        # no network, no name resolution, a firewall: offline mode, as if HF_HUB_OFFLINE=1
+        # read by transformers at each call, by datasets when imported
+        constants.HF_HUB_OFFLINE = True
+        tqdm.write(f"the hub ({constants.ENDPOINT}) cannot be reached ({first_line(e)}): "
+                   "cached files only")
 
 
 def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
-    """Supervised warm start on the gold (or demonstration) solutions: a loss on their response tokens only."""
+    """Supervised warm start on the gold (or demonstration) solutions: a loss on their response
+    tokens only."""
     rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
     rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
     max_tokens = cfg.max_prompt_tokens + cfg.max_new_tokens
@@ -315,32 +352,38 @@ def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
             labels[i, :n_prompt] = -100  # the loss covers the response only
         for group in optim.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 20) * (1 - step / steps)
-        # the token mean of the whole batch: each process's token sum over the global count, times
-        # the processes, since DDP averages their gradients (a mean of per-process means would not be)
+        # the token mean of the whole batch: each process's token sum over the global count,
+        # times the processes, since DDP averages their gradients (a mean of per-process means
+        # would not be)
         n_tokens = parallel.all_reduce_sum((labels[:, 1:] != -100).sum())
         with autocast:
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n_tokens)
+            out = model(input_ids=ids, attention_mask=mask, labels=labels,
+                        num_items_in_batch=n_tokens)
             loss = out.loss * world
-        loss.backward()  # a non-finite loss makes a non-finite gradient norm: the step is skipped, as in RL
-        skipped += ppo.optimizer_step(policy, optim) is None  # also leaves no gradient for the first RL step
+        # a non-finite loss makes a non-finite gradient norm: the step is skipped, as in RL
+        loss.backward()
+        # also leaves no gradient for the first RL step
+        skipped += ppo.optimizer_step(policy, optim) is None
     policy.eval()  # training mode (dropout) only inside an update
     if skipped and rank == 0:
         tqdm.write(f"warning: sft: {skipped} of {steps} steps skipped: non-finite loss or gradient")
 
 
-# ---- the model a user brings: a cache that cannot be forked (its prompts and answers: prompts.py) ---------
+# ---- the model a user brings: a cache that cannot be forked (its prompts and answers: prompts.py)
 
 
 def announce_fork(cfg, policy):
-    """One line when the policy's KV cache cannot be forked (sliding-window layers, or any the fork does not
-    know): every continuation then encodes its prefix afresh, with the same numbers, more slowly."""
+    """One line when the policy's KV cache cannot be forked (sliding-window layers, or any the fork
+    does not know): every continuation then encodes its prefix afresh, with the same numbers, more
+    slowly."""
     device = next(policy.parameters()).device
     with torch.no_grad():
-        cache = policy(input_ids=torch.ones(1, 2, dtype=torch.long, device=device), use_cache=True).cache
+        cache = policy(input_ids=torch.ones(1, 2, dtype=torch.long, device=device),
+                       use_cache=True).cache
     if not rollout.forkable(cache) and parallel.rank() == 0:
         kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [cache])})
         what = "MC values and sampling" if cfg.algo == "vineppo" else "sampling"
-        tqdm.write(f"--model {cfg.model}: its KV cache ({', '.join(kinds)}) cannot be forked: {what} encode "
-                   "each state's prefix afresh (the same values, slower)")
+        tqdm.write(f"--model {cfg.model}: its KV cache ({', '.join(kinds)}) cannot be forked: "
+                   f"{what} encode each state's prefix afresh (the same values, slower)")
 
 

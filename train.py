@@ -1,8 +1,8 @@
 """VinePPO fine-tuning of a causal LM on a verifiable reasoning task. The only entry point.
 
-    python train.py                                     # offline demo: tiny model, arithmetic chains
+    python train.py                                     # offline demo: tiny model, arithmetic
     python train.py --model rho-math-1.1b --data gsm8k  # the paper's setting (GPU, hub access)
-    python train.py --model rho-math-1.1b --data math   # the paper's MATH row (its own SFT checkpoint)
+    python train.py --model rho-math-1.1b --data math   # the paper's MATH row (its SFT start)
     torchrun --nproc_per_node 8 train.py --model rho-math-1.1b --data gsm8k   # 8 GPUs, DDP
 
 One iteration (VinePPO, Algorithm 1), a call per phase in main's loop: draw prompts -> sample and
@@ -13,8 +13,8 @@ critic's values (value.py) -> advantages -> reference log-probs -> epochs of cli
 
 Needs: rollout, reward, vine, ppo, value (the algorithm); start (everything before the first
 iteration), settings (how a setting is shown and checked), checkpoint, parallel (torchrun, and the
-metrics row), batching (forward batches). Algorithm: Config and its presets, main, evaluate; the engineering sections (the
-command line, exits) may be skipped on a first reading.
+metrics row), batching (forward batches). Algorithm: Config and its presets, main, evaluate;
+the engineering sections (the command line, exits) may be skipped on a first reading.
 """
 import signal
 import sys
@@ -71,81 +71,112 @@ TEMPLATE = (lambda v: v == "" or prompts.template_problem(v) is None, prompts.EX
 class Config:
     """Defaults follow the reference's rho-1.1B GSM8K run; DEMO below overrides a few for
     --model tiny."""
-    model: str = arg("tiny", "'tiny' (built offline), 'rho-math-1.1b', or any HF model id / local path")
-    data: str = arg("arith", "'arith' (built-in), 'gsm8k', 'math' (hub), or a .jsonl of question/answer "
-                             "(GSM8K) or problem/solution (MATH)")
-    eval_data: str = arg("", "held-out problems; default: the test split of --data (for .jsonl: the same file)")
+    model: str = arg("tiny", "'tiny' (built offline), 'rho-math-1.1b', or "
+                             "any HF model id / local path")
+    data: str = arg("arith", "'arith' (built-in), 'gsm8k', 'math' (hub), or a .jsonl of "
+                             "question/answer (GSM8K) or problem/solution (MATH)")
+    eval_data: str = arg("", "held-out problems; default: the test split of --data "
+                             "(for .jsonl: the same file)")
     prompt_template: str = arg("", "the prompt: a str.format string whose only field is {question} "
-                                   "({{ and }} write a brace, as in \\boxed{{}}), or @FILE holding one "
-                                   "(default: the data's own; with --chat the question alone)", TEMPLATE)
-    chat: bool = arg(False, "the prompt as a user turn of the tokenizer's chat template (an instruct model)")
+                                   "({{ and }} write a brace, as in \\boxed{{}}), or @FILE "
+                                   "holding one (default: the data's own; with --chat the "
+                                   "question alone)", TEMPLATE)
+    chat: bool = arg(False, "the prompt as a user turn of the tokenizer's chat template "
+                            "(an instruct model)")
     system: str = arg("", "with --chat: a system turn before it")
-    answer: str = arg("hash", "GSM8K-format data, arith: the answer graded and written by SFT: hash (a last "
-                              "'#### N') | boxed (the last \\boxed{N}, up to equivalence)", one_of("hash", "boxed"))
+    answer: str = arg("hash", "GSM8K-format data, arith: the answer graded and written by SFT: "
+                              "hash (a last '#### N') | boxed (the last \\boxed{N}, "
+                              "up to equivalence)", one_of("hash", "boxed"))
     out: str = arg("out", "output directory: metrics.jsonl, samples.jsonl, checkpoint/")
-    algo: str = arg("vineppo", "vineppo | ppo (critic) | tppo (tracking critic) | grpo", one_of(*ppo.ALGOS))
-    seed: int = arg(0, "random seed", (lambda v: 0 <= v < 2**63, "0 <= SEED < 2**63 (torch's seeds)"))
+    algo: str = arg("vineppo", "vineppo | ppo (critic) | tppo (tracking critic) | grpo",
+                    one_of(*ppo.ALGOS))
+    seed: int = arg(0, "random seed",
+                    (lambda v: 0 <= v < 2**63, "0 <= SEED < 2**63 (torch's seeds)"))
     iterations: int = arg(650, "RL iterations (sample, estimate, update)", at_least(0))
     prompts_per_iter: int = arg(64, "problems sampled per iteration", at_least(1))
     samples_per_prompt: int = arg(8, "responses sampled per problem", at_least(1))
     mc_rollouts: int = arg(9, "K: continuations per state for the MC value", at_least(1))
-    max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); later: the return; 0: all",
+    max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); "
+                                    "later: the return; 0: all",
                                 at_least(0))
-    mc_max_rollouts: int = arg(0, "adaptive MC values (the reference's: 30): --mc-rollouts first, then more "
-                                  "while V_hat's 95-percent interval > --mc-ci-width, never more than this "
-                                  "in all (the last round is cut to fit); 0: off",
+    mc_max_rollouts: int = arg(0, "adaptive MC values (the reference's: 30): --mc-rollouts first, "
+                                  "then more while V_hat's 95-percent interval > --mc-ci-width, "
+                                  "never more than this in all (the last round is cut to fit); "
+                                  "0: off",
                                at_least(0))
     mc_increment: int = arg(4, "adaptive MC values: continuations added per round", at_least(1))
-    mc_ci_width: float = arg(0.05, "adaptive MC values: a width of V_hat's 95-percent interval that is enough",
+    mc_ci_width: float = arg(0.05, "adaptive MC values: a width of V_hat's 95-percent interval "
+                                   "that is enough",
                              above(0))
-    mc_reuse: bool = arg(False, "each response is one more continuation of the states it passes (unbiased)")
-    mc_top_up: bool = arg(False, "with --mc-reuse: a state gets K minus the other responses through it")
-    value_head: str = arg("", "ppo/tppo critic head: scalar | tracking | bce (default: scalar, tppo: tracking)",
+    mc_reuse: bool = arg(False, "each response is one more continuation of the states it passes "
+                                "(unbiased)")
+    mc_top_up: bool = arg(False, "with --mc-reuse: a state gets K minus the other responses "
+                                 "through it")
+    value_head: str = arg("", "ppo/tppo critic head: scalar | tracking | bce "
+                              "(default: scalar, tppo: tracking)",
                           one_of("", *value.HEADS))
     critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)", LR)
-    critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves (its LR "
-                                "schedule spans the iterations after them)", at_least(0))
+    critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves "
+                                "(its LR schedule spans the iterations after them)", at_least(0))
     gamma: float = arg(1.0, "GAE discount", between(0, 1))
     lam: float = arg(1.0, "GAE lambda of the policy's advantages", between(0, 1))
-    lam_critic: float = arg(1.0, "GAE lambda of the scalar head's targets (the tracking and bce heads learn "
-                                 "the outcome R, whatever it is)", between(0, 1))
+    lam_critic: float = arg(1.0, "GAE lambda of the scalar head's targets (the tracking and bce "
+                                 "heads learn the outcome R, whatever it is)", between(0, 1))
     value_clip: float = arg(0.2, "clip range of the scalar critic around its old values", above(0))
     epochs: int = arg(2, "PPO epochs over each iteration's episodes", at_least(1))
     minibatch: int = arg(64, "episodes per optimizer step", at_least(1))
-    micro_batch: int = arg(16, "episodes per forward/backward pass (gradient accumulation)", at_least(1))
+    micro_batch: int = arg(16, "episodes per forward/backward pass (gradient accumulation)",
+                           at_least(1))
     lr: float = arg(1e-6, "policy learning rate (AdamW)", LR)
-    warmup: float = arg(0.03, "fraction of steps in log-shaped warm-up, then linear decay to 0", between(0, 1))
+    warmup: float = arg(0.03, "fraction of steps in log-shaped warm-up, then linear decay to 0",
+                        between(0, 1))
     clip: float = arg(0.2, "PPO clip range epsilon", above(0))
-    kl_coef: float = arg(1e-4, "coefficient of the k3 KL to the reference model, in the loss", at_least(0))
-    temperature: float = arg(0.6, "sampling temperature (also divides the logits of every log-prob)",
+    kl_coef: float = arg(1e-4, "coefficient of the k3 KL to the reference model, in the loss",
+                         at_least(0))
+    temperature: float = arg(0.6, "sampling temperature "
+                                  "(also divides the logits of every log-prob)",
                              at_least(1e-3))  # lower: logits / temperature overflow float32
-    top_p: float = arg(0.9, "nucleus sampling (the log-probs do not model it: 1.0 samples exactly the policy)",
+    top_p: float = arg(0.9, "nucleus sampling "
+                            "(the log-probs do not model it: 1.0 samples exactly the policy)",
                        (lambda v: 0 < v <= 1, "in (0, 1]"))
-    max_new_tokens: int = arg(1024, "token budget of a response; an unfinished response scores 0", at_least(1))
+    max_new_tokens: int = arg(1024, "token budget of a response; an unfinished response scores 0",
+                              at_least(1))
     max_prompt_tokens: int = arg(1512, "problems with longer prompts are skipped", at_least(1))
-    eval_every: int = arg(10, "evaluate before RL, every N iterations and at the end (0: no N)", at_least(0))
+    eval_every: int = arg(10, "evaluate before RL, every N iterations and at the end (0: no N)",
+                          at_least(0))
     eval_problems: int = arg(0, "held-out problems per evaluation (0 = all)", at_least(0))
-    eval_samples: int = arg(16, "samples per held-out problem (accuracy = mean over them)", at_least(1))
+    eval_samples: int = arg(16, "samples per held-out problem (accuracy = mean over them)",
+                            at_least(1))
     eval_temperature: float = arg(0.35, "sampling temperature at evaluation (0 = greedy)",
                                   (lambda v: v == 0 or v >= 1e-3, "0 (greedy) or >= 0.001"))
-    save_every: int = arg(10, "checkpoint every N iterations and at the end (0: only at the end)", at_least(0))
+    save_every: int = arg(10, "checkpoint every N iterations and at the end (0: only at the end)",
+                          at_least(0))
     sft_steps: int = arg(0, "supervised warm-up steps on the gold solutions before RL", at_least(0))
     sft_lr: float = arg(1e-5, "SFT learning rate", LR)
     sft_batch: int = arg(64, "SFT batch size", at_least(1))
     arith_steps: str = arg("2-5", "arith only: steps per chain, MIN-MAX (the difficulty)", STEPS)
-    arith_slip: float = arg(0.0, "arith only: chance that a step (with traps: a trap) of an SFT demo is wrong",
+    arith_slip: float = arg(0.0, "arith only: chance that a step (with traps: a trap) "
+                                 "of an SFT demo is wrong",
                             between(0, 1))
-    arith_traps: str = arg("", "arith only: the modulo-10 task, MIN-MAX carry/borrow steps per chain", TRAPS)
-    max_batch_tokens: int = arg(524288, "generation batch budget: rows x (prefix + new tokens)", at_least(1))
-    forward_batch_tokens: int = arg(32768, "token budget of one log-prob / value forward pass", at_least(1))
+    arith_traps: str = arg("", "arith only: the modulo-10 task, "
+                               "MIN-MAX carry/borrow steps per chain", TRAPS)
+    max_batch_tokens: int = arg(524288, "generation batch budget: rows x (prefix + new tokens)",
+                                at_least(1))
+    forward_batch_tokens: int = arg(32768, "token budget of one log-prob / value forward pass",
+                                    at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
-    precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights (default: bf16 on CUDA, else fp32)",
+    precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights "
+                             "(default: bf16 on CUDA, else fp32)",
                          one_of("", *start.PRECISIONS))
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
-    overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, replacing its results")
-    trust_remote_code: bool = arg(False, "allow model code from the hub (off: transformers' own architectures)")
-    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, slower")
-    fsdp: bool = arg(False, "under torchrun: shard policy and critic (weights, grads, AdamW) with FSDP2")
+    overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, "
+                                 "replacing its results")
+    trust_remote_code: bool = arg(False, "allow model code from the hub "
+                                         "(off: transformers' own architectures)")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward: "
+                                              "less memory, slower")
+    fsdp: bool = arg(False, "under torchrun: shard policy and critic (weights, grads, AdamW) "
+                            "with FSDP2")
 
 
 # The offline demo (--model tiny), in one place: a 0.9M-parameter model, SFT from scratch on
@@ -166,7 +197,8 @@ def main(cfg: Config):
     # under torchrun one process per GPU (its rank of world); else 0 of 1
     rank, world, device, autocast = start.start_process(cfg)
     tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
-    stops = prompts.stop_ids(tok, policy.model, cfg.chat)  # every id that ends a response, SFT's first
+    # every id that ends a response, SFT's first
+    stops = prompts.stop_ids(tok, policy.model, cfg.chat)
     sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
                                 max_new_tokens=cfg.max_new_tokens, eos_id=stops[0], eos_ids=stops,
                                 pad_id=rollout.pad_id(tok), stop=reward.STOP, tokenizer=tok,
@@ -182,8 +214,10 @@ def main(cfg: Config):
         watch = parallel.Stopwatch(watch)  # the seconds of each phase: the time_* metrics
         # 1-3. prompts (the reference shuffles by seed + iteration), responses, rewards, steps
         problems = reward.draw_problems(train_set, cfg.prompts_per_iter, cfg.seed + it, rank, world)
-        with autocast, parallel.whole(policy.model):  # FSDP: full weights while processes sample apart
-            episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt, sampling)
+        # FSDP: full weights while processes sample apart
+        with autocast, parallel.whole(policy.model):
+            episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt,
+                                               sampling)
         prompts.warn_if_unread(episodes, tok, f"iteration {it}")
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
@@ -257,8 +291,10 @@ def evaluate(policy, problems: list[dict], cfg: Config, sampling, autocast, iter
     with autocast, parallel.whole(policy):
         at_temperature = dataclasses.replace(sampling, temperature=cfg.eval_temperature)
         episodes = rollout.sample_episodes(policy, mine, cfg.eval_samples, at_temperature)
-        greedy = rollout.sample_episodes(policy, mine, 1, dataclasses.replace(sampling, temperature=0.0))
-    prompts.warn_if_unread(episodes + greedy, sampling.tokenizer, f"evaluation at iteration {iteration}")
+        greedy = rollout.sample_episodes(policy, mine, 1,
+                                         dataclasses.replace(sampling, temperature=0.0))
+    prompts.warn_if_unread(episodes + greedy, sampling.tokenizer,
+                           f"evaluation at iteration {iteration}")
     if parallel.rank() == 0:
         tok = sampling.tokenizer
         with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
