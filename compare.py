@@ -17,7 +17,6 @@ With matplotlib installed, also writes the learning curves to OUT/curves.png.
 """
 import argparse
 import contextlib
-import dataclasses
 import io
 import json
 import math
@@ -30,6 +29,7 @@ import sys
 import time
 
 import ppo
+import settings
 import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -216,13 +216,10 @@ def given_flags(words: list[str]) -> list[str]:
     """The train.py flags that `words` give, as argparse reads them.
     So an abbreviation (--se 5) or --seed=5 counts as --seed.
     """
-    p = argparse.ArgumentParser(add_help=False)
-    for f in dataclasses.fields(train.Config):  # train.py's options, each read as a string
-        kind = dict(action="store_true") if f.type is bool else {}
-        p.add_argument("--" + f.name.replace("_", "-"), default=None, **kind)
+    p = train.command_line(add_help=False)
     p.error = refuse  # a malformed line: train.py's own check says why
     try:
-        known, _ = p.parse_known_args(words)
+        known, _ = p.parse_known_args(settings.join_negative_numbers(words))
     except ValueError:
         return []
     return ["--" + k.replace("_", "-") for k, v in vars(known).items() if v is not None]

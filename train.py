@@ -313,14 +313,20 @@ def evaluate(policy, problems: list[dict], cfg: Config, sampling, autocast, iter
 
 # ---- engineering: the command line, exits (skip on a first reading) ---------------------------
 
-def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__,
+def command_line(add_help: bool = True) -> argparse.ArgumentParser:
+    """train.py's options: one per Config field, each None unless given."""
+    p = argparse.ArgumentParser(description=__doc__, add_help=add_help,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = settings.refuse  # one line, no usage
     for f in dataclasses.fields(Config):
         kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
         shown = settings.help_text(f, PRESETS)  # the help and the default
         p.add_argument("--" + f.name.replace("_", "-"), default=None, help=shown, **kind)
+    return p
+
+
+def parse_args(argv=None) -> Config:
+    p = command_line()
     argv = settings.join_negative_numbers(sys.argv[1:] if argv is None else argv)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     prompts.read_template_file(given, p.error)
