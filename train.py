@@ -63,8 +63,6 @@ TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
 # AdamW moves every weight by about lr a step (its update is lr times a ratio of moments near +-1):
 # above 1 a step outweighs any weight of a language model, and near float32's limit it overflows
 LR = (lambda v: 0 <= v <= 1, ">= 0 and at most 1 (AdamW moves each weight by about lr a step)")
-# --prompt-template: a str.format string whose only field is {question} (prompts.template_problem)
-TEMPLATE = (lambda v: v == "" or prompts.template_problem(v) is None, prompts.EXPECTED)
 
 
 @dataclasses.dataclass
@@ -80,7 +78,7 @@ class Config:
     prompt_template: str = arg("", "the prompt: a str.format string whose only field is {question} "
                                    "({{ and }} write a brace, as in \\boxed{{}}), or @FILE "
                                    "holding one (default: the data's own; with --chat the "
-                                   "question alone)", TEMPLATE)
+                                   "question alone)")  # checked by prompts.read_template_file
     chat: bool = arg(False, "the prompt as a user turn of the tokenizer's chat template "
                             "(an instruct model)")
     system: str = arg("", "with --chat: a system turn before it")
