@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import DynamicCache
+from tqdm import tqdm
+from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 import batching
@@ -133,8 +134,8 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
         new = fork_and_decode(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk], k, budget,
                               sampling, fork_method, allocate) if budget > 0 else [[]] * (len(chunk) * k)
         for i, j in enumerate(chunk):
-            results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer, sampling.stop)
-                       for seq in new[i * k:(i + 1) * k]]
+            results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer, sampling.stop,
+                              prefixes[j]) for seq in new[i * k:(i + 1) * k]]
             conts[j], done[j] = [c for c, _ in results], [f for _, f in results]
     model.train(was_training)
     return conts, done
@@ -190,8 +191,8 @@ def fork_and_decode(model, cache, prefixes, rows, k: int, budget: int, sampling:
     if not forkable(cache):  # each prefix encoded afresh: correct for any cache, slower
         return fresh_decode(model, prefixes, k, budget, sampling)
     ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id, fork_method, allocate)
-    out = model.generate(input_ids=ids, attention_mask=mask, cache=forked, max_new_tokens=budget,
-                         **decoding(sampling))
+    out = generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
+                   max_new_tokens=budget)
     return out[:, ids.shape[1]:].tolist()
 
 
@@ -223,21 +224,27 @@ def response_logprobs(model, episodes: list[Episode], temperature: float, pad_id
 
 # ---- engineering: the stop rule, caches that cannot fork, buffers, log-softmax (skip on a first reading)
 
-def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None = None):
+def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None = None, before=()):
     """(row cut after its first EOS, to its budget, and before `stop` then EOS, ends in EOS): text after the
     stop string is a next problem the model began inventing, never part of the answer.
     eos_id: an id, or several (Sampling.stops: any ends it; the stop string's cut appends the first).
-    HF stops at the token completing `stop`: it lies in the last len(stop) tokens (each adds >= 1 char)."""
+    before: the row's prefix. HF stops at the token completing `stop` (the row's last):
+    it lies in the last len(stop) tokens of prefix and row (each adds >= 1 char)."""
     ends = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
     first = next((t for t, token in enumerate(seq) if token in ends), None)
     seq = (seq if first is None else seq[: first + 1])[:budget]
     body = seq[:-1] if seq and seq[-1] in ends else seq
-    text = lambda lo: tokenizer.decode(body[lo:], skip_special_tokens=True)
-    if stop and stop in text(max(0, len(body) - len(stop))):
-        start = len(body) - 1
+    # the stop string counts where it ends in the row, even if it begins in the prefix (as generate
+    # sees it): an MC continuation stops, and is cut, where the response it came from would have
+    tail = list(before)[-len(stop):] if stop else []
+    joined = tail + body
+    text = lambda lo, hi=None: tokenizer.decode(joined[lo:hi], skip_special_tokens=True)
+    window = max(0, len(joined) - len(stop)) if stop else 0
+    if stop and stop in text(window) and stop not in text(window, len(tail)):  # not the prefix's
+        start = len(joined) - 1
         while stop not in text(start):  # the last token whose text, with what follows, holds `stop`
             start -= 1
-        seq = body[:start] + [ends[0]]
+        seq = body[:max(0, start - len(tail))] + [ends[0]]  # begun in the prefix: EOS alone
     return seq, bool(seq) and seq[-1] in ends
 
 
@@ -250,6 +257,46 @@ def decoding(sampling: Sampling) -> dict:
     if sampling.temperature > 0:
         return dict(stopping, do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
     return dict(stopping, do_sample=False)
+
+
+def generate(model, sampling: Sampling, **inputs):
+    """HF `generate` with decoding's settings and no others: softmax(logits / T) with top-p
+    (greedy: the argmax), the distribution the log-probs model.
+    generate fills every setting a call leaves unset from model.generation_config, even when given a
+    GenerationConfig (repetition_penalty, min_p, top_k, ...): it is set aside for the call."""
+    own, model.generation_config = model.generation_config, GenerationConfig()  # all unset
+    try:
+        return model.generate(**inputs, **decoding(sampling))
+    finally:
+        model.generation_config = own
+
+
+# generation settings a model may set, at values that leave softmax(logits / T) as is (None: unset)
+NEUTRAL = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, typical_p=1.0,
+               epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+               num_beams=1, min_length=0, length_penalty=1.0, use_cache=True,
+               output_attentions=False, output_hidden_states=False)
+NOT_SETTINGS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
+                "transformers_version")
+
+
+def overridden_settings(model) -> dict:
+    """The settings of model.generation_config that generate (above) sets aside: those not neutral.
+    Its token ids are kept apart: its EOS ids end responses (prompts.stop_ids)."""
+    own = sorted(model.generation_config.to_dict().items())
+    return {key: value for key, value in own if value is not None and value != NEUTRAL.get(key)
+            and key not in NOT_SETTINGS and not key.startswith("_")}
+
+
+def announce_overridden_settings(model, rank: int):
+    """One line, from the first process, naming the model's own generation settings
+    that sampling does not use (overridden_settings); none: no line."""
+    own = overridden_settings(model)
+    if own and rank == 0:
+        shown = ", ".join(f"{key}={value!r}" for key, value in own.items())
+        tqdm.write(f"the model's generation_config sets {shown}: not used; responses, MC "
+                   "continuations and evaluation sample softmax(logits / T) with --temperature "
+                   "and --top-p (T = 0: greedy)")
 
 
 def forkable(cache) -> bool:
@@ -265,8 +312,8 @@ def fresh_decode(model, prefixes, k: int, budget: int, sampling: Sampling):
     for length in sorted(set(map(len, prefixes))):
         same = [j for j, p in enumerate(prefixes) if len(p) == length]
         ids = torch.tensor([prefixes[j] for j in same for _ in range(k)], device=device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
-                             **decoding(sampling))[:, length:].tolist()
+        out = generate(model, sampling, input_ids=ids, attention_mask=torch.ones_like(ids),
+                       max_new_tokens=budget)[:, length:].tolist()
         for i, j in enumerate(same):
             new[j] = out[i * k:(i + 1) * k]
     return [row for rows in new for row in rows]

@@ -122,6 +122,7 @@ def load_run(cfg, device, autocast):
     context = getattr(policy.config, "max_position_embeddings", None)
     prompts.pose_problems(cfg, tok, train_set + eval_set, context)
     announce_fork(cfg, policy)
+    rollout.announce_overridden_settings(policy, parallel.rank())
     train_set, eval_set = (
         prompts.drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
         for problems, split in ((train_set, "training"), (eval_set, "held-out")))

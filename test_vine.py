@@ -1264,3 +1264,85 @@ def test_no_run_destroys_another_runs_results(tmp_path):
     assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1, 2]  # nothing wiped
     fresh = run_train("--out", out, *small, "--iterations", "1", "--overwrite", "--eval-every", "0", "--save-every", "0")
     assert fresh.returncode == 0 and [row["iteration"] for row in numbers(tmp_path)] == [0, 1]
+
+
+# ---- the sampler's settings, the stop string at a prefix's end (rollout.generate, finish) -----
+
+def test_sampling_sets_the_models_own_generation_settings_aside(model, capsys):
+    """A generation_config that sets what `generate` would otherwise take from it changes no token.
+    Sampling is softmax(logits / T) with the run's top-p, greedy its argmax (forked and fresh)."""
+    from transformers import GenerationConfig
+    own = copy.deepcopy(model)
+    own.generation_config = GenerationConfig(
+        do_sample=False, temperature=0.3, top_p=0.5, top_k=1, min_p=0.5, typical_p=0.5,
+        epsilon_cutoff=0.2, eta_cutoff=0.2, repetition_penalty=5.0, no_repeat_ngram_size=1,
+        bad_words_ids=[[5]], suppress_tokens=[6], min_new_tokens=6, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)
+    prefixes = random_seqs([9, 5], seed=4)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9), (0.0, 1.0)):
+        sampling = rollout.Sampling(temperature=temperature, top_p=top_p, max_new_tokens=8,
+                                    eos_id=2, pad_id=0)
+        runs = []
+        for m in (model, own):
+            torch.manual_seed(5)
+            runs.append((rollout.sample(m, prefixes, 3, [8, 8], sampling),
+                         rollout.fresh_decode(m, prefixes, 2, 8, sampling)))
+        assert runs[0] == runs[1]
+    assert own.generation_config.repetition_penalty == 5.0  # set aside for each call only
+    assert rollout.overridden_settings(model) == {}
+    assert list(rollout.overridden_settings(own)) == [
+        "bad_words_ids", "epsilon_cutoff", "eta_cutoff", "min_new_tokens", "min_p",
+        "no_repeat_ngram_size", "repetition_penalty", "suppress_tokens", "temperature", "top_k",
+        "top_p", "typical_p"]
+    for m, rank in ((own, 1), (model, 0), (own, 0)):  # one line, from the first process only
+        rollout.announce_overridden_settings(m, rank)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and "repetition_penalty=5.0, suppress_tokens=[6]" in lines[0]
+
+
+def bigram_llama(tok, successor: dict[str, str]):
+    """A 1-layer Llama whose next token is successor[last token] ('c' after any other).
+    Its layer adds nothing, the embeddings are one-hot, the head scores the successor alone."""
+    vocab = len(tok)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=vocab, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                         max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    head = torch.zeros(vocab, vocab)
+    head[tok.convert_tokens_to_ids("c")] = 50.0
+    for a, b in successor.items():
+        head[:, tok.convert_tokens_to_ids(a)] = 0.0
+        head[tok.convert_tokens_to_ids(b), tok.convert_tokens_to_ids(a)] = 50.0
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        model.lm_head.weight.copy_(head)
+    return model
+
+
+def test_stop_string_begun_in_the_prefix_ends_the_continuation_whatever_the_batch(tmp_path):
+    """A stop string begun in the prefix and ended in the continuation cuts it to EOS, finished.
+    `generate` stops there ('x a' then 'b'), and the result does not depend on the batch."""
+    from reward import STOP
+    checkpoint.build_tiny_model(str(tmp_path), seed=0)  # its character-level tokenizer
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    model = bigram_llama(tok, {"a": "b", "w": "q", "q": "a", "y": "y"})
+    eos, enc = tok.eos_token_id, lambda text: tok(text, add_special_tokens=False).input_ids
+    sampling = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=5, eos_id=eos,
+                                pad_id=tok.pad_token_id, stop="ab", tokenizer=tok)
+    prefixes = [enc("xa"), enc("xw"), enc("xy")]  # across the boundary; in its own tokens; never
+    expected = ([[[eos]] * 2, [enc("q") + [eos]] * 2, [enc("yyyyy")] * 2],
+                [[True] * 2, [True] * 2, [False] * 2])
+    assert rollout.sample(model, prefixes, 2, [5] * 3, sampling) == expected  # one batch
+    for j, prefix in enumerate(prefixes):  # each alone
+        alone = rollout.sample(model, [prefix], 2, [5], sampling)
+        assert alone == ([expected[0][j]], [expected[1][j]])
+    # the project's stop string after a state that ends in a newline, and one the prefix holds whole
+    finish = lambda row, before: rollout.finish(row, 100, eos, tok, STOP, before)
+    assert finish(enc("\n\nProblem:"), enc("4.\n")) == ([eos], True)
+    assert finish(enc("\n\nProblem:") + [eos], enc("4.\n")) == ([eos], True)
+    assert finish(enc("\n\nProblem:"), enc("4.")) == (enc("\n\nProblem:"), False)
+    assert finish(enc("B\n\n\nProblem:"), enc("4.\n")) == (enc("B") + [eos], True)
+    assert finish(enc("B"), enc("\n\n\nProblem:")) == (enc("B"), False)
