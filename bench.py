@@ -287,12 +287,13 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
 
     def fork_each(cache):
         for prefix, row in zip(prefixes, rows):
-            rollout.sample(model, [prefix], a.k, [a.new_tokens], sampling, cache=cache, rows=[row])
+            rollout.continue_from_cache(model, [prefix], a.k, [a.new_tokens], sampling,
+                                        cache=cache, rows=[row])
 
     def fork_batch(cache, method="copy"):
         batched = dataclasses.replace(sampling, max_batch_tokens=a.max_batch_tokens)
-        out, done = rollout.sample(model, prefixes, a.k, budgets, batched, cache=cache, rows=rows,
-                                   fork_method=method)
+        out, done = rollout.continue_from_cache(model, prefixes, a.k, budgets, batched,
+                                                cache=cache, rows=rows, fork_method=method)
         assert sum(len(c) for cs in out for c in cs) == n_tokens and not any(map(any, done))
 
     mean_len = round(sum(map(len, prefixes)) / len(prefixes))
@@ -302,9 +303,9 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
         floor_cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)[1]
 
     def decode_only():  # every row forks row 0 of floor_cache; one batch, whatever its size
-        rollout.sample(model, [floor_prefix] * len(prefixes), a.k, budgets,
-                       dataclasses.replace(sampling, max_batch_tokens=1 << 62), cache=floor_cache,
-                       rows=[0] * len(prefixes))
+        rollout.continue_from_cache(model, [floor_prefix] * len(prefixes), a.k, budgets,
+                                    dataclasses.replace(sampling, max_batch_tokens=1 << 62),
+                                    cache=floor_cache, rows=[0] * len(prefixes))
 
     methods = {"naive": (naive, lambda: ()), "fork-each": (fork_each, forward),
                "fork-batch": (fork_batch, forward),
@@ -324,8 +325,8 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
     start = time.perf_counter()
     with torch.no_grad(), autocast:
         # warm-up
-        rollout.sample(model, [floor_prefix], a.k, [a.new_tokens], sampling, cache=floor_cache,
-                       rows=[0])
+        rollout.continue_from_cache(model, [floor_prefix], a.k, [a.new_tokens], sampling,
+                                    cache=floor_cache, rows=[0])
         runs = paired_runs(order, a.repeats, time_one)
     med = {name: statistics.median(s[i] for s in runs for i, n in enumerate(order) if n == name)
            for name in names}

@@ -328,7 +328,7 @@ def value_accuracy(a, tok, policy, sampling, problems, out):
 # ---- --mc-settings: what each way of spending MC continuations buys ------------------------------
 
 def settings_to_compare(k: int) -> dict:
-    """name -> vine.mc_values options, built around fixed K = k."""
+    """name -> vine.MCSettings' fields, built around fixed K = k."""
     half = max(1, k // 2)
     return {f"fixed K={k}": dict(k=k), f"fixed K={half}": dict(k=half),
             f"fixed K={2 * k}": dict(k=2 * k),
@@ -348,9 +348,9 @@ def mc_settings(a, tok, policy, sampling, problems, out):
     vine.split_steps(episodes, tok)
     key = lambda ep, b: tuple(ep.prompt_ids + ep.response_ids[:b])
     states = vine.distinct_states(episodes)
-    truth = vine.continuation_rewards(policy, episodes, None, states,
-                                      dict.fromkeys(states, a.gt_rollouts), sampling)[0]
-    truth = {state: sum(r) / len(r) for state, r in truth.items()}
+    rewards = vine.continuation_rewards(policy, episodes, None, states, list(states),
+                                        a.gt_rollouts, sampling)[0]
+    truth = {state: sum(r) / len(r) for state, r in zip(states, rewards)}
     true_values = [[truth[key(ep, b)] for b in ep.step_starts] for ep in episodes]
     true_advantages = [vine.step_advantages(v, ep.reward) for v, ep in zip(true_values, episodes)]
     print(f"{len(episodes)} episodes of {len(problems)} problems, {len(states)} distinct states, "
@@ -370,12 +370,13 @@ def mc_settings(a, tok, policy, sampling, problems, out):
             counts, seconds = collections.Counter(), 0.0
             for chunk, cache in caches:
                 began = time.perf_counter()
-                counts += vine.mc_values(policy, chunk, cache, sampling=sampling, **options)
+                counts += vine.mc_values(policy, chunk, cache, sampling,
+                                         vine.MCSettings(**options))
                 seconds += time.perf_counter() - began
             errors = [(abs(v - t), abs(adv - true_adv))
                       for ep, tv, ta in zip(episodes, true_values, true_advantages)
-                      for v, t, adv, true_adv in zip(ep.step_values, tv, vine.step_advantages(
-                          ep.step_values, ep.reward, ep.step_counts), ta)]
+                      for v, t, adv, true_adv in zip(ep.step_values, tv,
+                                                     vine.episode_step_advantages(ep), ta)]
             runs.append([counts["mc_continuations"] / counts["mc_states"], counts["mc_tokens"],
                          seconds, *map(statistics.mean, zip(*errors))])
         rows[name] = dict(zip(("per_state", "mc_tokens", "seconds", "value_mae", "advantage_mae"),

@@ -96,7 +96,7 @@ def wrap(model, fsdp: bool, device):
 
 
 @contextmanager
-def whole(*models):
+def unsharded(*models):
     """FSDP: full weights while processes run different numbers of forward passes
     (no all-gathers)."""
     shards = [m for model in models if model is not None for m in model.modules()

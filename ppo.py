@@ -1,15 +1,16 @@
-"""The PPO update every method shares (clipped surrogate, k3 KL, whitening) and the advantages that
-differ: GAE for a critic, group normalisation for GRPO, VinePPO's MC values (vine.py). Tensors are
-[B, L-1], aligned with the actions: position t holds token t+1's log-prob, advantage, ..., as in the
-reference implementation (McGill-NLP/VinePPO, https://github.com/McGill-NLP/VinePPO:
-src/treetune/trainers/ppo_trainer.py, PPOTrainer._training_step; "the reference" in the comments of
-every file).
+"""The PPO update every method shares, and the advantages that differ between them.
 
-Needs: vine.py (VinePPO's step advantages), rollout.py (padding, log-probs), parallel.py (the
-minibatch's statistics over processes). Algorithm: everything up to ppo_update; its helpers after
-the engineering line."""
-import collections
+- the update: clipped surrogate + k3 KL (ppo_loss), whitened advantages, AdamW (ppo_update);
+- the advantages: VinePPO's from MC values (vine.py), GAE's from a critic, GRPO's per group.
+Tensors are [B, L-1], aligned with the actions: position t holds token t+1's log-prob,
+advantage, ... (collate draws it), as in the reference implementation, McGill-NLP/VinePPO's
+trainers/ppo_trainer.py, PPOTrainer._training_step (docs/reference.md pins its commit).
+
+Read in order: the estimators (masked_whiten, gae, group_advantages, k3_kl), ppo_loss,
+assign_advantages, Learner, ppo_update, minibatch_step. Below the line: bookkeeping.
+"""
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,11 +52,17 @@ def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-6):
-    """GRPO (Shao et al. 2024, §4.1.2): A = (R - mean of its group) / (std of its group + eps); [N].
-    Its loss here is ppo_loss's: a token mean over the minibatch under PPO's clip, DAPO's
-    token-level loss (Yu et al. 2025, arXiv 2503.14476, §3.3), not DeepSeekMath's per-response mean
-    1/G sum_i 1/|o_i| sum_t (arXiv 2402.03300, §4.1, eq. 3), which gives a short response's tokens
-    more weight than a long one's."""
+    """GRPO (Shao et al. 2024, arXiv 2402.03300, §4.1.2): [N] advantages
+
+        A = (R - mean of its group) / (std of its group + eps).
+
+    - the std is the population std (TRL's GRPOTrainer takes the sample std: x1.07 at G = 8);
+    - the loss is ppo_loss's: a token mean over the minibatch under PPO's clip, DAPO's
+      token-level loss (Yu et al. 2025, arXiv 2503.14476, §3.3), not DeepSeekMath's
+      per-response mean 1/G sum_i 1/|o_i| sum_t (§4.1, eq. 3), which weighs a short response's
+      tokens more than a long one's;
+    - the KL term is ppo_loss's too, a per-response sum over the minibatch, not DeepSeekMath's
+      per-token term inside that mean (eq. 3)."""
     adv = torch.empty_like(rewards)
     for g in group.unique():
         r = rewards[group == g]
@@ -78,14 +85,17 @@ def k3_kl(logp, ref_logp):
 
 def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: float = 1e-4,
              max_ratio: float = 10.0, *, n_tokens=None, n_responses=None):
-    """Clipped PPO (Schulman et al. 2017, eq. 7) plus the KL penalty (VinePPO §5),
-    r_t = pi / pi_old, on a minibatch of N responses holding n response tokens:
+    """Clipped PPO (Schulman et al. 2017, eq. 7) plus the KL penalty (VinePPO, arXiv
+    2410.01679v1, §5), with r_t = pi / pi_old, on a minibatch of N responses and n tokens:
         L = 1/n sum_t max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps))
             + beta/N sum_seq sum_t clamp(k3_t, 0, 10)
     The rows given may be a micro-batch (n_tokens, n_responses: the minibatch's n and N, over all
     processes; default: these rows' own): loss and stats are then its shares, which add up to the
-    minibatch's whatever the split. Rows whose mean ratio exceeds max_ratio are skipped (loss x 0),
-    as the reference's PPOTrainer._compute_actor_loss skips its batch. -> (loss, stats)"""
+    minibatch's whatever the split.
+    When the mean ratio of the rows given exceeds max_ratio they are skipped (loss x 0), as
+    the reference's PPOTrainer._compute_actor_loss skips its batch. The rows are a micro-batch,
+    as in the reference, so --micro-batch can change which rows are skipped: the one exception
+    to "--micro-batch changes no gradient". -> (loss, stats)"""
     n_tokens = mask.sum().clamp(min=1) if n_tokens is None else n_tokens
     n_responses = mask.shape[0] if n_responses is None else n_responses
     # this batch's share of the minibatch's token mean
@@ -140,8 +150,9 @@ class Learner:
 
     def __init__(self, model, lr: float, total_steps: int, warmup_steps: int, fsdp: bool, device):
         self.model = model  # the weights (saved, evaluated)
-        # what the update calls (DDP); FSDP: before AdamW
-        self.module = parallel.wrap(model, fsdp, device)
+        # the DDP/FSDP wrapper the update's forward passes call (the model itself on one process;
+        # FSDP: before AdamW)
+        self.wrapped = parallel.wrap(model, fsdp, device)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
                                            weight_decay=0.0)
         schedule = lambda step: lr_factor(step, total_steps, warmup_steps)
@@ -156,73 +167,113 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
-def ppo_update(episodes, policy: Learner, critic: Learner | None, *, epochs: int, minibatch: int,
-               micro_batch: int, temperature: float, clip: float, kl_coef: float, value_clip: float,
-               move_policy: bool, whiten: bool, pad_id: int, device, autocast) -> dict:
-    """`epochs` passes over shuffled minibatches, a step per minibatch and learner; returns mean
-    statistics. Each loss is a mean over the whole minibatch (all its micro-batches, all processes):
-    a micro-batch adds its sum over the minibatch's count, so --micro-batch and the number of
-    processes change no gradient."""
-    policy_stats, critic_stats, grad_norms, counts = [], [], [], collections.Counter()
+@dataclass(frozen=True)
+class PPOSettings:
+    """The update's hyper-parameters (train.py's flags of the same names)."""
+    epochs: int          # passes over the iteration's episodes
+    minibatch: int       # responses per optimizer step (this process's share)
+    micro_batch: int     # responses per forward pass: changes no gradient
+    temperature: float   # the log-probs' softmax(logits / T), as sampled
+    clip: float          # PPO's epsilon
+    kl_coef: float       # beta, the KL penalty's weight
+    value_clip: float    # the scalar critic's value clip
+    whiten: bool = True  # advantages whitened per minibatch (GRPO's are normalised already)
+
+
+def ppo_update(episodes, policy: Learner, critic: Learner | None, hp: PPOSettings, *,
+               move_policy: bool, pad_id: int, device, autocast) -> dict:
+    """`hp.epochs` passes over shuffled minibatches: one optimizer step per minibatch and learner.
+
+    Each loss is a mean over the whole minibatch (all its micro-batches, all processes): a
+    micro-batch adds its sum over the minibatch's count, so --micro-batch and the number of
+    processes change no gradient. move_policy False (--critic-warmup): the critic alone learns.
+    Returns the minibatches' mean statistics."""
+    log = UpdateLog()
     learners = [policy] + ([critic] if critic is not None else [])
     for learner in learners:
         learner.model.train()
-    for _ in range(epochs):
+    for _ in range(hp.epochs):
         order = torch.randperm(len(episodes)).tolist()
-        for lo in range(0, len(order), minibatch):
-            batch = [episodes[i] for i in order[lo: lo + minibatch]]
-            ids, mask, fields = collate(batch, pad_id, device)
-            if whiten:  # with the statistics of the whole minibatch, all processes' shares together
-                fields["adv"] = masked_whiten(fields["adv"], fields["act"],
-                                              all_reduce=parallel.all_reduce_sum)
-            n = minibatch_counts(fields, critic)
-            policy_shares, critic_shares = [], []
-            for m in range(0, len(batch), micro_batch):
-                rows = slice(m, m + micro_batch)
-                micro = {k: v[rows] for k, v in fields.items()}
-                if move_policy:
-                    with autocast:
-                        logp, _ = rollout.token_logprobs(policy.module, ids[rows], mask[rows],
-                                                         temperature)
-                    loss, stats = ppo_loss(logp, micro["old"], micro["ref"], micro["adv"],
-                                           micro["act"], clip, kl_coef, n_tokens=n["tokens"],
-                                           n_responses=n["responses"])
-                    counts["nonfinite"] += backward_if_finite(loss, stats, policy_shares)
-                    counts["skipped"] += stats["skipped"]
-                if critic is not None:
-                    with autocast:
-                        out = critic.module(ids[rows], mask[rows], micro["prompt_lens"])
-                    loss, stats = critic.model.loss(out, micro["val"], micro["ret"],
-                                                    micro["reward"], micro["act"], value_clip,
-                                                    n=n["critic"])
-                    counts["nonfinite"] += backward_if_finite(loss, stats, critic_shares)
-            if move_policy:
-                policy_stats.append(minibatch_stats(policy_shares, POLICY_STATS, device))
-            if critic is not None:
-                critic_stats.append(minibatch_stats(critic_shares, CRITIC_STATS, device))
-            # --critic-warmup: the critic only
-            for learner in learners if move_policy else learners[1:]:
-                norm = optimizer_step(learner.model, learner.optimizer, learner.scheduler)
-                # every process holds the same norm: the first counts a skipped step
-                counts["nonfinite"] += norm is None and parallel.rank() == 0
-                if learner is policy and norm is not None:
-                    grad_norms.append(norm)
+        for lo in range(0, len(order), hp.minibatch):
+            batch = [episodes[i] for i in order[lo: lo + hp.minibatch]]
+            minibatch_step(batch, policy if move_policy else None, critic, hp, pad_id, device,
+                           autocast, log)
     for learner in learners:
         learner.model.eval()  # sampling and scoring see no dropout
-    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
-    out = {k: mean(policy_stats, k) for k in POLICY_STATS if policy_stats}
-    out.update({k: mean(critic_stats, k) for k in CRITIC_STATS if critic_stats})
-    return {**out, "skipped_batches": int(counts["skipped"]),
-            "nonfinite_skips": int(counts["nonfinite"]),
-            "grad_norm": sum(grad_norms) / max(1, len(grad_norms))}
+    return log.summary()
 
 
-# ---- engineering: non-finite guards, batching, the optimizer step (skip on a first reading) ------
+def minibatch_step(batch, policy, critic, hp: PPOSettings, pad_id: int, device, autocast,
+                   log) -> None:
+    """One minibatch: its micro-batches' backward passes, then a step of each learner.
+
+    policy None: the policy does not move (--critic-warmup)."""
+    ids, mask, fields = collate(batch, pad_id, device)
+    if hp.whiten:  # with the statistics of the whole minibatch, all processes' shares together
+        fields["advantages"] = masked_whiten(fields["advantages"], fields["action_mask"],
+                                             all_reduce=parallel.all_reduce_sum)
+    counts = minibatch_counts(fields, critic)
+    policy_shares, critic_shares = [], []
+    for m in range(0, len(batch), hp.micro_batch):
+        rows = slice(m, m + hp.micro_batch)
+        micro = {key: value[rows] for key, value in fields.items()}
+        if policy is not None:
+            with autocast:
+                logp, _ = rollout.token_logprobs(policy.wrapped, ids[rows], mask[rows],
+                                                 hp.temperature)
+            loss, stats = ppo_loss(logp, micro["old_logp"], micro["ref_logp"],
+                                   micro["advantages"], micro["action_mask"], hp.clip,
+                                   hp.kl_coef, n_tokens=counts["tokens"],
+                                   n_responses=counts["responses"])
+            log.skipped_batches += stats["skipped"]
+            log.nonfinite_skips += backward_if_finite(loss, stats, policy_shares)
+        if critic is not None:
+            with autocast:
+                out = critic.wrapped(ids[rows], mask[rows], micro["prompt_lens"])
+            loss, stats = critic.model.loss(out, micro["critic_values"], micro["returns"],
+                                            micro["reward"], micro["action_mask"], hp.value_clip,
+                                            n=counts["critic"])
+            log.nonfinite_skips += backward_if_finite(loss, stats, critic_shares)
+    if policy is not None:
+        log.policy.append(minibatch_stats(policy_shares, POLICY_STATS, device))
+    if critic is not None:
+        log.critic.append(minibatch_stats(critic_shares, CRITIC_STATS, device))
+    for learner in [x for x in (policy, critic) if x is not None]:
+        log.stepped(optimizer_step(learner.model, learner.optimizer, learner.scheduler),
+                    learner is policy)
+
+
+# ---- engineering: statistics, non-finite guards, batching, the step (skip on a first reading) --
+
+@dataclass
+class UpdateLog:
+    """What ppo_update reports: each minibatch's statistics, and the steps it skipped."""
+    policy: list = field(default_factory=list)  # one dict of POLICY_STATS per minibatch
+    critic: list = field(default_factory=list)  # one dict of CRITIC_STATS per minibatch
+    grad_norms: list = field(default_factory=list)  # the policy's, before clipping
+    skipped_batches: float = 0  # micro-batches whose ratio exceeded max_ratio (ppo_loss)
+    nonfinite_skips: int = 0    # non-finite losses or gradient norms: their steps skipped
+
+    def stepped(self, norm: float | None, is_policy: bool):
+        """Record a learner's step: its gradient norm, or None for a step skipped."""
+        # every process holds the same norm: the first counts a skipped step
+        self.nonfinite_skips += norm is None and parallel.rank() == 0
+        if is_policy and norm is not None:
+            self.grad_norms.append(norm)
+
+    def summary(self) -> dict:
+        mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+        out = {k: mean(self.policy, k) for k in POLICY_STATS if self.policy}
+        out.update({k: mean(self.critic, k) for k in CRITIC_STATS if self.critic})
+        return {**out, "skipped_batches": int(self.skipped_batches),
+                "nonfinite_skips": int(self.nonfinite_skips),
+                "grad_norm": sum(self.grad_norms) / max(1, len(self.grad_norms))}
+
 
 def minibatch_counts(fields: dict, critic) -> dict:
     """What the minibatch's losses average over, summed over the processes: its response tokens, its
     responses, and the critic's terms (its loss_mask: tokens, or the BCE heads' states s_0..s_T)."""
-    act = fields["act"]
+    act = fields["action_mask"]
     terms = critic.model.loss_mask(act).sum() if critic is not None else act.new_zeros(())
     total = parallel.all_reduce_sum(torch.stack([act.sum(), act.new_tensor(float(act.shape[0])),
                                                  terms]))
@@ -253,19 +304,26 @@ def backward_if_finite(loss, stats: dict, into: list) -> bool:
 
 
 def collate(episodes, pad_id, device):
-    """Padded ids [B, L], mask, and [B, L-1] action mask "act"
-    and per-token arrays of the episodes."""
+    """Padded ids [B, L], their mask, and the episodes' per-token fields, [B, L-1] each.
+
+    Position t of a field belongs to token t+1, the token whose log-prob is there
+    (rollout.token_logprobs). For the prompt <s> q1 q2 and the response a b </s>:
+
+        ids          <s>  q1   q2   a    b    </s>
+        position     0    1    2    3    4
+        action_mask  0    0    1    1    1          (a, b, </s>: the response's tokens)
+        advantages   0    0    A_a  A_b  A_</s>    (old_logp, ref_logp, ... alike)"""
     ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes],
                                   pad_id, device)
-    names = {"old": "old_logp", "ref": "ref_logp", "adv": "advantages", "val": "critic_values",
-             "ret": "returns"}
-    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device) for k in ["act", *names]}
+    names = ("old_logp", "ref_logp", "advantages", "critic_values", "returns")
+    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device)
+           for k in ("action_mask", *names)}
     for i, ep in enumerate(episodes):
         actions = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
-        out["act"][i, actions] = 1
-        for k, name in names.items():
+        out["action_mask"][i, actions] = 1
+        for name in names:
             if getattr(ep, name) is not None:
-                out[k][i, actions] = getattr(ep, name).to(device)
+                out[name][i, actions] = getattr(ep, name).to(device)
     out["reward"] = torch.tensor([ep.reward for ep in episodes], device=device)
     out["prompt_lens"] = torch.tensor([len(ep.prompt_ids) for ep in episodes], device=device)
     return ids, mask, out

@@ -15,12 +15,14 @@ import random
 import shutil
 import socket
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 import checkpoint
+import generation
 import parallel
 import ppo
 import prompts
@@ -77,7 +79,19 @@ def start_process(cfg):
     return rank, world, device, autocast(device, cfg.precision)  # every forward pass
 
 
-def start_run(cfg, device, autocast):
+@dataclass
+class Run:
+    """What start_run hands train.main: the data, the models and where the run stands."""
+    tok: object                   # the tokenizer
+    train_set: list               # problems, each with its prompt_ids (prompts.pose_problems)
+    eval_set: list                # the held-out problems
+    ref: nn.Module                # the frozen KL reference (the SFT policy)
+    policy: ppo.Learner
+    critic: ppo.Learner | None    # PPO and TPPO only
+    iterations_done: int | None   # the last iteration of a resumed run; None: a fresh run
+
+
+def start_run(cfg, device, autocast) -> Run:
     """Data, models, learners (ppo.Learner) and the last iteration done (None for a fresh run). All
     that can refuse the run comes first (load_run): a refused start changes nothing on disk, and
     --overwrite removes the earlier run only once nothing is left to fail (begin_writing)."""
@@ -94,9 +108,9 @@ def start_run(cfg, device, autocast):
     begin_writing(cfg, state, rows, sft_reference, tok)
     ref.eval().requires_grad_(False)
     cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
-    done = None if state is None else state["iteration"]
-    critic = learners[1] if len(learners) > 1 else None
-    return tok, train_set, eval_set, ref, learners[0], critic, done
+    return Run(tok, train_set, eval_set, ref, learners[0],
+               critic=learners[1] if len(learners) > 1 else None,
+               iterations_done=None if state is None else state["iteration"])
 
 
 def load_run(cfg, device, autocast):
@@ -122,7 +136,7 @@ def load_run(cfg, device, autocast):
     context = getattr(policy.config, "max_position_embeddings", None)
     prompts.pose_problems(cfg, tok, train_set + eval_set, context)
     announce_fork(cfg, policy)
-    rollout.announce_overridden_settings(policy, parallel.rank())
+    generation.announce_overridden_settings(policy, parallel.rank())
     train_set, eval_set = (
         prompts.drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
         for problems, split in ((train_set, "training"), (eval_set, "held-out")))
@@ -381,7 +395,7 @@ def announce_fork(cfg, policy):
     with torch.no_grad():
         cache = policy(input_ids=torch.ones(1, 2, dtype=torch.long, device=device),
                        use_cache=True).cache
-    if not rollout.forkable(cache) and parallel.rank() == 0:
+    if not generation.forkable(cache) and parallel.rank() == 0:
         kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [cache])})
         what = "MC values and sampling" if cfg.algo == "vineppo" else "sampling"
         tqdm.write(f"--model {cfg.model}: its KV cache ({', '.join(kinds)}) cannot be forked: "

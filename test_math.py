@@ -471,6 +471,7 @@ def test_valid_but_hostile_json_is_refused_naming_file_and_line(tmp_path, name, 
     assert reward.is_math_data(str(path)) == (name == "math.jsonl")
 
 
+@pytest.mark.slow
 def test_train_refuses_hostile_json_in_one_line(tmp_path):
     """Through the command line (its format check reads the first line too): one line,
     exit status 2."""
@@ -524,6 +525,7 @@ def test_offline_math_data_fails_in_one_line(monkeypatch):
             and ".jsonl" in str(error.value))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["vineppo", "ppo", "tppo", "grpo"])
 def test_math_path_with_the_tiny_model(tmp_path, algo):
     """--data on MATH's format end to end, in this process: SFT on the gold solutions, an iteration

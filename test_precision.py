@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import batching
 import bench
 from test_vine import SMALL  # the tiny settings of test_vine's smoke runs
+import generation
 import ppo
 import start
 import rollout
@@ -233,7 +234,8 @@ def test_forked_greedy_under_autocast_matches_reencoding(model):
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0)
     with torch.no_grad(), bf16():
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
-        forked, _ = rollout.sample(model, prefixes, 2, [12] * 3, greedy, cache=cache, rows=rows)
+        forked, _ = rollout.continue_from_cache(model, prefixes, 2, [12] * 3, greedy, cache=cache,
+                                                rows=rows)
         for prefix, forks in zip(prefixes, forked):
             # HF's own cache
             alone = model.generate(torch.tensor([prefix]), max_new_tokens=12, do_sample=False,
@@ -252,10 +254,12 @@ def sampling_peak(model, cache, n_prefixes, max_batch_tokens):
     with bench.LiveTensorBytes() as counter:
         sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=60, eos_id=40,
                                     pad_id=0, max_batch_tokens=max_batch_tokens)
-        rollout.sample(model, prefixes, 4, [60] * n_prefixes, sampling, cache=cache, rows=rows)
+        rollout.continue_from_cache(model, prefixes, 4, [60] * n_prefixes, sampling, cache=cache,
+                                    rows=rows)
     return counter.peak
 
 
+@pytest.mark.slow
 def test_two_batches_of_forks_peak_like_one(model):
     """4 prefixes x k=4 x (18 + 60) tokens fill one batch; 8 prefixes make two such batches, whose
     fork buffers (most of the memory here) must not be alive at once."""
@@ -287,11 +291,12 @@ def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
     monkeypatch.setattr(batching, "batch_overhead", lambda _: 10 ** 6)  # the fewest batches: three
 
     def draw(reused_buffers):
-        monkeypatch.setattr(rollout, "reused_buffers", reused_buffers)
+        monkeypatch.setattr(generation, "reused_buffers", reused_buffers)
         torch.manual_seed(0)
-        return rollout.sample(model, prefixes, 3, [6, 6, 6, 2, 6], sampling, cache=cache, rows=rows)
+        return rollout.continue_from_cache(model, prefixes, 3, [6, 6, 6, 2, 6], sampling,
+                                           cache=cache, rows=rows)
 
-    made, storage, reuse = [], set(), rollout.reused_buffers
+    made, storage, reuse = [], set(), generation.reused_buffers
 
     def poisoned(positions):
         assert positions == 6 * (22 - 1 + 6)  # the largest batch: 6 rows x (prefix - 1 + budget)
@@ -324,8 +329,8 @@ def test_gather_fork_equals_copy_fork(model, autocast):
         copied = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
         gathered = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
         greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=2, pad_id=0)
-        samples = [rollout.sample(model, prefixes, 2, [6] * 5, greedy, cache=cache, rows=rows,
-                                  fork_method=method)
+        samples = [rollout.continue_from_cache(model, prefixes, 2, [6] * 5, greedy, cache=cache,
+                                               rows=rows, fork_method=method)
                    for method in rollout.FORK_METHODS]
     assert samples[0] == samples[1]
     assert torch.equal(copied[0], gathered[0]) and torch.equal(copied[1], gathered[1])
@@ -338,6 +343,7 @@ def test_gather_fork_equals_copy_fork(model, autocast):
 
 # ---- the whole run in bf16 --------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, extra", [("vineppo", []), ("ppo", []), ("tppo", []), ("grpo", []),
                                          ("ppo", ["--value-head", "bce"])],
                          ids=["vineppo", "ppo", "tppo", "grpo", "ppo-bce"])
@@ -359,6 +365,7 @@ def test_each_algo_runs_in_bf16_on_cpu(tmp_path, algo, extra):
 
 # ---- the GPU report (bench.py --gpu-report), rehearsed on a CPU --------------------------------
 
+@pytest.mark.slow
 def test_gpu_report_smoke_fills_every_field(tmp_path, capsys, monkeypatch):
     """The GPU report's code at a tiny shape on this CPU (< 1 minute on a quiet one): every part
     ran, every field holds what it says, memory by the CPU counter, labelled as such. The budgets
@@ -570,6 +577,7 @@ def test_bench_without_cuda_ends_in_one_line(args, expected, capsys):
     test_bench_bad_options_end_in_one_line(args, expected, capsys)
 
 
+@pytest.mark.slow
 @NO_CUDA
 def test_the_gpu_command_is_refused_in_one_line_without_cuda(tmp_path):
     """The exact command the GPU will get (docs/gpu.md), rehearsed on a CPU-only torch."""

@@ -13,6 +13,7 @@ from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaTok
                           PreTrainedTokenizerFast)
 
 import checkpoint
+import generation
 import rollout
 import vine
 from prompts import encode_prompt, sft_example, sft_target
@@ -218,7 +219,7 @@ def test_cut_at_stop_hand_cases(llama_tok, char_tok, byte_tok):
     for tok in (llama_tok, char_tok, byte_tok):
         eos = tok.eos_token_id
         # the budget cuts nothing
-        cut_at_stop = lambda ids: rollout.finish(ids, len(ids), eos, tok, STOP)[0]
+        cut_at_stop = lambda ids: generation.finish(ids, len(ids), eos, tok, STOP)[0]
         enc = lambda text: tok(text, add_special_tokens=False).input_ids
         kept = enc("\nA = 3.\n#### 3")
         # HF stops at the token completing the stop string, which may run past it
@@ -231,11 +232,12 @@ def test_cut_at_stop_hand_cases(llama_tok, char_tok, byte_tok):
         assert cut_at_stop(kept + [eos]) == kept + [eos]  # no stop string: unchanged
         assert cut_at_stop(kept) == kept
         assert cut_at_stop(enc("\n\n\nProblem")) == enc("\n\n\nProblem")
-        # a row that stopped, filled with EOS (rollout.fork_and_decode)
+        # a row that stopped, filled with EOS (rollout.decode_forks)
         # -> the kept tokens and EOS, finished
         row = enc("\nA = 3.\n#### 3\n\n\nProblem:") + [eos] * 3
-        assert rollout.finish(row, 100, eos, tok, STOP) == (kept + [eos], True)
-        assert rollout.finish(row, len(kept) + 2, eos, tok, STOP) == (row[: len(kept) + 2], False)
+        assert generation.finish(row, 100, eos, tok, STOP) == (kept + [eos], True)
+        assert (generation.finish(row, len(kept) + 2, eos, tok, STOP)
+                == (row[: len(kept) + 2], False))
 
 
 RUNAWAY = "\n5+3=8\n#### 8\n\n\nProblem:\nWhat is 1+1?\n\nSolution:\n1+1=2\n#### 2\n"
@@ -305,6 +307,7 @@ def test_context_length_caps_the_budget():
 
 # ---- 10. offline: one line, not a traceback -------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--model", "rho-math-1.1b", "--data", "gsm8k"],
      "--data gsm8k: cannot load openai/gsm8k from the hub"),
@@ -342,6 +345,7 @@ def llama_model_dir(llama_tok, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["vineppo", "ppo", "tppo", "grpo"])
 def test_gsm8k_path_with_llama_style_tokenizer(tmp_path, llama_model_dir, algo):
     """The paper's code path end to end: a from_pretrained Llama with a SentencePiece-style

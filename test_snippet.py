@@ -14,6 +14,7 @@ import checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Use it in your own trainer"
+pytestmark = pytest.mark.slow  # its one test runs the block in a fresh python process
 
 # what the block takes as given: a model, its tokenizer, and a batch of responses of the
 # built-in task
@@ -38,13 +39,13 @@ for _ in range(60):
     optimizer.step()
     optimizer.zero_grad()
 model.eval()
-'''
+'''  # noqa: E501 (the script's own lines, run as written)
 AFTER = '''
 print(json.dumps({"where": rollout.__file__, "rewards": [ep.reward for ep in episodes],
                   "starts": [ep.step_starts for ep in episodes], "values": [ep.step_values for ep in episodes],
                   "old_logp": [len(ep.old_logp) for ep in episodes],
                   "advantages": [a.tolist() for a in advantages], "lengths": [len(r) for r in responses]}))
-'''
+'''  # noqa: E501 (the script's own lines, run as written)
 
 
 def readme_section() -> tuple[list[str], str]:

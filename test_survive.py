@@ -1,6 +1,7 @@
-"""Tests: no run loses, mixes or silently truncates results, and no input that passed the checks ends in a
-traceback: the --out lock, a checkpoint rotation killed at every step, --overwrite, interrupts, failed writes,
-the shape of what --resume reads, the SFT length cap and non-finite guard, and fast offline failures."""
+"""Tests: no run loses, mixes or silently truncates results, and no input that passed the checks
+ends in a traceback: the --out lock, a checkpoint rotation killed at every step, --overwrite,
+interrupts, failed writes, the shape of what --resume reads, the SFT length cap and non-finite
+guard, and fast offline failures."""
 import fcntl
 import json
 import os
@@ -43,9 +44,11 @@ def save(out, tiny, iteration: int):
 
 
 def complete_iteration(path) -> int:
-    """The iteration of a checkpoint whose every file is there and reads, else an assertion error."""
-    assert sorted(os.listdir(path)) == ["config.json", "generation_config.json", "model.safetensors",
-                                        "tokenizer.json", "tokenizer_config.json", "trainer_state.pt"]
+    """The iteration of a checkpoint whose every file is there and reads, else an assertion
+    error."""
+    assert sorted(os.listdir(path)) == ["config.json", "generation_config.json",
+                                        "model.safetensors", "tokenizer.json",
+                                        "tokenizer_config.json", "trainer_state.pt"]
     load_file(os.path.join(path, "model.safetensors"))
     json.load(open(os.path.join(path, "tokenizer.json")))
     return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)["iteration"]
@@ -73,12 +76,14 @@ def kill_at(monkeypatch, n: int):
     monkeypatch.setattr(os, "replace", step(os.replace, lambda *args: None))
     monkeypatch.setattr(shutil, "rmtree", step(shutil.rmtree, remove_weights))
     weights_only = lambda path, policy, *rest: policy.save_pretrained(path)
-    monkeypatch.setattr(checkpoint, "write_checkpoint", step(checkpoint.write_checkpoint, weights_only))
+    monkeypatch.setattr(checkpoint, "write_checkpoint",
+                        step(checkpoint.write_checkpoint, weights_only))
 
 
 LEFTOVERS = {  # what earlier kills leave, each on top of a complete checkpoint/ at iteration 1
     "none": lambda out: None,
-    "old copy": lambda out: shutil.copytree(out / "checkpoint", out / "checkpoint.old"),  # issue: Errno 39
+    # issue: Errno 39
+    "old copy": lambda out: shutil.copytree(out / "checkpoint", out / "checkpoint.old"),
     "torn tmp": lambda out: shutil.copytree(out / "checkpoint", out / "checkpoint.tmp",
                                             ignore=lambda folder, names: ["trainer_state.pt"]),
     "between renames": lambda out: os.replace(out / "checkpoint", out / "checkpoint.old"),
@@ -86,9 +91,10 @@ LEFTOVERS = {  # what earlier kills leave, each on top of a complete checkpoint/
 
 
 @pytest.mark.parametrize("leftover", LEFTOVERS)
-def test_a_kill_at_any_step_of_a_save_leaves_a_complete_checkpoint(tmp_path, tiny, monkeypatch, leftover):
-    """For each step n of the save of iteration 2: killed there, the last checkpoint is complete (iteration
-    1 or 2), and the next save succeeds and leaves nothing else behind."""
+def test_a_kill_at_any_step_of_a_save_leaves_a_complete_checkpoint(tmp_path, tiny, monkeypatch,
+                                                                   leftover):
+    """For each step n of the save of iteration 2: killed there, the last checkpoint is complete
+    (iteration 1 or 2), and the next save succeeds and leaves nothing else behind."""
     template = tmp_path / "template"
     save(template, tiny, 1)
     LEFTOVERS[leftover](template)
@@ -102,7 +108,8 @@ def test_a_kill_at_any_step_of_a_save_leaves_a_complete_checkpoint(tmp_path, tin
         except Killed:
             killed = True
         monkeypatch.undo()
-        assert complete_iteration(checkpoint.last_checkpoint(str(out))) in ((1, 2) if killed else (2,))
+        assert (complete_iteration(checkpoint.last_checkpoint(str(out)))
+                in ((1, 2) if killed else (2,)))
         save(out, tiny, 3)
         assert complete_iteration(checkpoint.last_checkpoint(str(out))) == 3
         assert sorted(os.listdir(out)) == ["checkpoint"]
@@ -115,30 +122,37 @@ def test_a_failed_write_is_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny
     save(tmp_path, tiny, 1)
 
     def full_disk(*args, **kwargs):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] PytorchStreamWriter failed writing file")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] PytorchStreamWriter failed "
+                           "writing file")
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(OSError, match=r"cannot write .*checkpoint\.tmp \(\[enforce fail.*\)$"):
         save(tmp_path, tiny, 2)
-    assert complete_iteration(tmp_path / "checkpoint") == 1 and sorted(os.listdir(tmp_path)) == ["checkpoint"]
+    assert (complete_iteration(tmp_path / "checkpoint") == 1
+            and sorted(os.listdir(tmp_path)) == ["checkpoint"])
 
 
 # ---- one run at a time in an --out; --overwrite --------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_locked_out_is_refused_in_one_line(tmp_path):
-    """The lock of a run that is still going (held here) refuses train.py; a lock left by a killed process,
-    or a lock file naming a dead process, is taken over."""
+    """The lock of a run that is still going (held here) refuses train.py; a lock left by a killed
+    process, or a lock file naming a dead process, is taken over."""
     with open(tmp_path / ".lock", "w") as held:
         held.write("pid 12345 on elsewhere\n")
         held.flush()
         fcntl.flock(held, fcntl.LOCK_EX)
-        r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--out", str(tmp_path), *SMALL],
+        r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--out", str(tmp_path),
+                            *SMALL],
                            env=OFFLINE, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
-    assert f"--out '{tmp_path}' is in use by a run that is still going (pid 12345 on elsewhere)" in r.stderr
+    assert (f"--out '{tmp_path}' is in use by a run that is still going (pid 12345 on elsewhere)"
+            in r.stderr)
     assert not (tmp_path / "tiny-init").exists()  # refused before anything is written
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True); time.sleep(60)",
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True); "
+                               "time.sleep(60)",
                                str(tmp_path / ".lock")], stdout=subprocess.PIPE)
     assert holder.stdout.readline()  # it holds the lock
     with pytest.raises(DataError, match="is in use"):
@@ -151,11 +165,12 @@ def test_a_second_run_into_a_locked_out_is_refused_in_one_line(tmp_path):
 
 
 def test_overwrite_removes_all_of_the_earlier_run_before_writing(tmp_path):
-    """Killed right after --overwrite cleared the earlier run, a --resume starts afresh: nothing of the old
-    run (its checkpoint above all) is left to continue from. Files that are not the run's stay. The
-    removal is not prepare_out's: that comes before anything that can refuse the run."""
+    """Killed right after --overwrite cleared the earlier run, a --resume starts afresh: nothing of
+    the old run (its checkpoint above all) is left to continue from. Files that are not the run's
+    stay. The removal is not prepare_out's: that comes before anything that can refuse the run."""
     for name in checkpoint.RESULTS + checkpoint.LEFTOVERS:
-        if name.endswith((".jsonl", ".tmp")) and "checkpoint" not in name and "reference" not in name:
+        if (name.endswith((".jsonl", ".tmp")) and "checkpoint" not in name
+                and "reference" not in name):
             (tmp_path / name).write_text('{"iteration": 0}\n')
         else:
             (tmp_path / name).mkdir()
@@ -168,7 +183,8 @@ def test_overwrite_removes_all_of_the_earlier_run_before_writing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == before  # nothing removed yet
     start.remove_earlier_run(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [".lock", "notes.txt"]
-    assert checkpoint.find_resume(train.parse_args(["--out", str(tmp_path), "--resume"])) == (None, None)
+    assert (checkpoint.find_resume(train.parse_args(["--out", str(tmp_path), "--resume"]))
+            == (None, None))
     start.held_lock.close()
 
 
@@ -176,10 +192,11 @@ def test_overwrite_removes_all_of_the_earlier_run_before_writing(tmp_path):
 
 
 def stopped_run(out, signum):
-    """train.py sent `signum` once its first checkpoint is written (after iteration 1; one every iteration)."""
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", str(out), *SMALL,
-                             "--iterations", "3"], cwd=HERE, env=OFFLINE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    """train.py sent `signum` once its first checkpoint is written (after iteration 1; one every
+    iteration)."""
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", str(out),
+                             *SMALL, "--iterations", "3"], cwd=HERE, env=OFFLINE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if (out / "checkpoint").exists():
@@ -189,14 +206,18 @@ def stopped_run(out, signum):
     return proc
 
 
+@pytest.mark.slow
 def test_ctrl_c_sigterm_and_a_full_disk_end_in_one_line_naming_the_checkpoint(tmp_path):
-    script = ("import runpy, sys, torch\nsaved = torch.save\n"  # the second trainer state meets a full disk
+    # the second trainer state meets a full disk
+    script = ("import runpy, sys, torch\nsaved = torch.save\n"
               "def save(obj, path, *a, n=[0]):\n    n[0] += 1\n"
-              "    if n[0] == 2: raise OSError(28, 'No space left on device')\n    saved(obj, path, *a)\n"
-              "torch.save = save\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+              "    if n[0] == 2: raise OSError(28, 'No space left on device')\n"
+              "    saved(obj, path, *a)\n"
+              "torch.save = save\nsys.argv = sys.argv[1:]\n"
+              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
     full = subprocess.Popen([sys.executable, "-c", script, os.path.join(HERE, "train.py"), "--out",
-                             str(tmp_path / "full"), *SMALL], cwd=HERE, env=OFFLINE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                             str(tmp_path / "full"), *SMALL], cwd=HERE, env=OFFLINE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     runs = {"SIGINT": stopped_run(tmp_path / "int", signal.SIGINT),
             "SIGTERM": stopped_run(tmp_path / "term", signal.SIGTERM)}
     for name, proc in runs.items():
@@ -204,18 +225,20 @@ def test_ctrl_c_sigterm_and_a_full_disk_end_in_one_line_naming_the_checkpoint(tm
         assert proc.returncode == 128 + signal.Signals[name] and "Traceback" not in err, err[-3000:]
         out = tmp_path / ("int" if name == "SIGINT" else "term")
         assert err.splitlines()[-1] in (
-            f"stopped by {name}; the last checkpoint is {out / 'checkpoint'}: --resume (in place of any "
-            "--overwrite) continues from it", f"stopped by {name}; the last checkpoint is "
+            f"stopped by {name}; the last checkpoint is {out / 'checkpoint'}: --resume (in place "
+            "of any --overwrite) continues from it", f"stopped by {name}; the last checkpoint is "
             f"{out / 'checkpoint.old'}: --resume (in place of any --overwrite) continues from it")
     err = full.communicate(timeout=300)[1]
     assert full.returncode == 1 and "Traceback" not in err, err[-3000:]
     full_out = tmp_path / "full"
-    assert err.splitlines()[-1] == (f"error: cannot write {full_out / 'checkpoint.tmp'} ([Errno 28] No space "
-                                    f"left on device); the last checkpoint is {full_out / 'checkpoint'}: "
+    assert err.splitlines()[-1] == (f"error: cannot write {full_out / 'checkpoint.tmp'} "
+                                    "([Errno 28] No space left on device); the last checkpoint is "
+                                    f"{full_out / 'checkpoint'}: "
                                     "--resume (in place of any --overwrite) continues from it")
     assert complete_iteration(tmp_path / "full" / "checkpoint") == 1
     resumed = run_train("--out", str(tmp_path / "term"), *SMALL, "--iterations", "3", "--resume")
-    assert resumed.returncode == 0 and [row["iteration"] for row in numbers(tmp_path / "term")] == [0, 1, 2, 3]
+    assert (resumed.returncode == 0
+            and [row["iteration"] for row in numbers(tmp_path / "term")] == [0, 1, 2, 3])
 
 
 # ---- what --resume reads, checked by shape --------------------------------------------------
@@ -223,8 +246,10 @@ def test_ctrl_c_sigterm_and_a_full_disk_end_in_one_line_naming_the_checkpoint(tm
 
 def test_metrics_rows_torn_last_line_dropped_any_other_bad_line_refused(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"iteration": 0}\n{"iteration": 1, "x": 2}\n{"iteration": 2}\n{"iteration": 3, "tr')
-    assert checkpoint.rows_up_to(str(path), 1) == ['{"iteration": 0}\n', '{"iteration": 1, "x": 2}\n']
+    path.write_text('{"iteration": 0}\n{"iteration": 1, "x": 2}\n{"iteration": 2}\n'
+                    '{"iteration": 3, "tr')
+    assert (checkpoint.rows_up_to(str(path), 1)
+            == ['{"iteration": 0}\n', '{"iteration": 1, "x": 2}\n'])
     not_utf8 = b'{"iteration": 1, "s": "\xff"}'
     for bad in (b'{"note": "x"}', b'{"iteration": "1"}', b'[1, 2]', b'not json', not_utf8, b''):
         path.write_bytes(b'{"iteration": 0}\n' + bad + b'\n{"iteration": 1}\n')
@@ -249,20 +274,26 @@ def test_a_trainer_state_of_the_wrong_shape_is_refused_in_one_line(tmp_path, sta
     ('{"model": "tiny"}', "is not a run's settings (no --iterations)"),
 ])
 def test_resume_checks_the_runs_settings_file(tmp_path, settings, message):
-    """OUT/config.json is what --resume compares a continued run with: missing or damaged, one line."""
+    """OUT/config.json is what --resume compares a continued run with: missing or damaged, one
+    line."""
     (tmp_path / "checkpoint").mkdir()
-    torch.save({"iteration": 1, "optimizers": [], "rng": []}, tmp_path / "checkpoint" / "trainer_state.pt")
+    torch.save({"iteration": 1, "optimizers": [], "rng": []},
+               tmp_path / "checkpoint" / "trainer_state.pt")
     if settings is not None:
         (tmp_path / "config.json").write_text(settings)
     resume = train.parse_args(["--out", str(tmp_path), "--resume", "--iterations", "3"])
     with pytest.raises(DataError, match=r"^--resume: .*config.json " + re.escape(message)):
         checkpoint.find_resume(resume)
-    checkpoint.record_settings(train.parse_args(["--out", str(tmp_path), "--iterations", "2", "--seed", "1"]))
-    with pytest.raises(DataError, match=rf"^--resume: {tmp_path} was written with --seed 1, not 0$"):
+    checkpoint.record_settings(train.parse_args(["--out", str(tmp_path), "--iterations", "2",
+                                                 "--seed", "1"]))
+    with pytest.raises(DataError,
+                       match=rf"^--resume: {tmp_path} was written with --seed 1, not 0$"):
         checkpoint.find_resume(resume)
-    written = json.loads((tmp_path / "config.json").read_text())  # every setting, not only those changed
+    # every setting, not only those changed
+    written = json.loads((tmp_path / "config.json").read_text())
     assert set(written) == set(vars(train.Config())) | {"data_files"}
-    assert (written["iterations"], written["seed"], written["data_files"]) == (2, 1, {})  # arith: no file
+    # arith: no file
+    assert (written["iterations"], written["seed"], written["data_files"]) == (2, 1, {})
 
 
 def test_a_damaged_checkpoint_is_named_as_the_runs_not_as_model(tmp_path, tiny):
@@ -270,7 +301,8 @@ def test_a_damaged_checkpoint_is_named_as_the_runs_not_as_model(tmp_path, tiny):
     weights = tmp_path / "checkpoint" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     for path in (tmp_path / "checkpoint", tmp_path / "reference"):
-        with pytest.raises(DataError, match=rf"^--resume: {path} cannot be loaded \(.+\); --overwrite starts"):
+        with pytest.raises(DataError,
+                           match=rf"^--resume: {path} cannot be loaded \(.+\); --overwrite starts"):
             checkpoint.load_model(str(path), "cpu", resuming=True)
     (tmp_path / "checkpoint" / "critic").mkdir()  # a PPO checkpoint whose critic is damaged
     with pytest.raises(DataError, match=r"^--resume: .*critic cannot be loaded"):
@@ -292,13 +324,15 @@ def test_a_damaged_checkpoint_is_named_as_the_runs_not_as_model(tmp_path, tiny):
 ])
 def test_settings_the_tensors_cannot_hold_are_refused(capsys, args, message):
     test_vine.test_bad_setting_gives_one_line_error(capsys, args, message)
-    train.parse_args(["--seed", str(2**63 - 1), "--clip", "1e30", "--eval-temperature", "0"])  # the limits pass
+    # the limits pass
+    train.parse_args(["--seed", str(2**63 - 1), "--clip", "1e30", "--eval-temperature", "0"])
 
 
 def test_sft_examples_capped_at_what_rl_holds_with_a_count(tiny, capsys):
     tok, _ = tiny
     problems = [{"prompt": "What is 1+1?\n", "answer": "1+1=2\n#### 2"},
-                {"prompt": "What is 2+2?\n", "answer": "2+2=4\n" * 2000 + "#### 4"}]  # a 12 KB answer
+                # a 12 KB answer
+                {"prompt": "What is 2+2?\n", "answer": "2+2=4\n" * 2000 + "#### 4"}]
     for p in problems:
         p["prompt_ids"] = prompts.encode_prompt(tok, p["prompt"])
     examples = prompts.sft_examples(tok, problems, max_tokens=1576)
@@ -306,13 +340,14 @@ def test_sft_examples_capped_at_what_rl_holds_with_a_count(tiny, capsys):
     assert examples == prompts.sft_examples(tok, problems[:1], 1576) and len(ids) <= 1576
     assert ("sft: skipped 1 of 2 training problems: prompt and solution over --max-prompt-tokens + "
             "--max-new-tokens = 1576 tokens") in capsys.readouterr().out
-    with pytest.raises(DataError, match=r"--max-new-tokens = 20: every training problem's SFT example"):
+    with pytest.raises(DataError,
+                       match=r"--max-new-tokens = 20: every training problem's SFT example"):
         prompts.sft_examples(tok, problems, max_tokens=20)
 
 
 def test_sft_skips_a_non_finite_step_as_rl_does(tmp_path, capsys):
-    """A NaN loss at the first SFT step: that step is skipped and counted, the weights stay finite, and the
-    other steps train them."""
+    """A NaN loss at the first SFT step: that step is skipped and counted, the weights stay finite,
+    and the other steps train them."""
     checkpoint.build_tiny_model(str(tmp_path), seed=0)
     tok, model = checkpoint.load_model(str(tmp_path), "cpu")
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -325,12 +360,14 @@ def test_sft_skips_a_non_finite_step_as_rl_does(tmp_path, capsys):
         return output
     model.register_forward_hook(nan_first, with_kwargs=True)
     cfg = train.parse_args(["--sft-steps", "3", "--sft-batch", "4"])
-    problems = [{"prompt": f"What is {i}+1?\n", "answer": f"{i}+1={i + 1}\n#### {i + 1}"} for i in range(8)]
+    problems = [{"prompt": f"What is {i}+1?\n", "answer": f"{i}+1={i + 1}\n#### {i + 1}"}
+                for i in range(8)]
     for p in problems:
         p["prompt_ids"] = prompts.encode_prompt(tok, p["prompt"])
     cpu = torch.device("cpu")
     start.sft_warm_start(model, tok, problems, cfg, cpu, start.autocast(cpu, "fp32"))
-    assert "warning: sft: 1 of 3 steps skipped: non-finite loss or gradient" in capsys.readouterr().out
+    assert ("warning: sft: 1 of 3 steps skipped: non-finite loss or gradient"
+            in capsys.readouterr().out)
     weights = model.state_dict()
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert any(not torch.equal(weights[k], before[k]) for k in before)
@@ -347,21 +384,27 @@ def test_prompts_per_iter_above_the_training_set_is_said_and_sizes_the_schedule(
     assert cfg.prompts_per_iter == 2000 and capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_an_unreachable_hub_fails_fast_in_one_line(tmp_path):
-    """The hub libraries retry an unreachable hub for ~25 s a file, printing each retry: one quick look
-    instead, then one line. The hub is made unreachable (a closed local port) whatever the network."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))}
+    """The hub libraries retry an unreachable hub for ~25 s a file, printing each retry: one quick
+    look instead, then one line. The hub is made unreachable (a closed local port) whatever the
+    network."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))}
     env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
     train_py = os.path.join(HERE, "train.py")
-    runs = [subprocess.Popen([sys.executable, train_py, "--out", str(tmp_path / name), *args], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for name, args in (("model", ["--model", "some-org/some-model"]), ("data", ["--data", "gsm8k"]),
+    runs = [subprocess.Popen([sys.executable, train_py, "--out", str(tmp_path / name), *args],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name, args in (("model", ["--model", "some-org/some-model"]),
+                               ("data", ["--data", "gsm8k"]),
                                ("math", ["--data", "math"]))]
     for proc, message in zip(runs, ("error: --model 'some-org/some-model': cannot load it",
                                     "error: --data gsm8k: cannot load openai/gsm8k from the hub",
-                                    "error: --data math: cannot load zzy1123/MATH_train_test_split")):
+                                    "error: --data math: cannot load "
+                                    "zzy1123/MATH_train_test_split")):
         out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2 and err.startswith(message) and err.count("\n") == 1, err[-3000:]
+        assert (proc.returncode == 2 and err.startswith(message)
+                and err.count("\n") == 1), err[-3000:]
         assert "cannot be reached" in out
 
 
@@ -370,7 +413,8 @@ def test_an_unreachable_hub_fails_fast_in_one_line(tmp_path):
 
 def files(path) -> dict:
     """Every file under path (bar the lock) and its bytes."""
-    return {os.path.relpath(os.path.join(folder, name), path): open(os.path.join(folder, name), "rb").read()
+    return {os.path.relpath(os.path.join(folder, name), path):
+            open(os.path.join(folder, name), "rb").read()
             for folder, _, names in os.walk(path) for name in names if name != ".lock"}
 
 
@@ -386,16 +430,20 @@ def start_in_process(*args):
 
 
 def earlier_run(out, tiny, iterations=1, *args):
-    """A run's files as train.py leaves them (its settings: those of `args`), checkpoint at iteration 1."""
-    checkpoint.save_checkpoint(str(out), tiny[1], tiny[0], {"iteration": 1, "optimizers": [], "rng": []})
+    """A run's files as train.py leaves them (its settings: those of `args`), checkpoint at
+    iteration 1."""
+    checkpoint.save_checkpoint(str(out), tiny[1], tiny[0],
+                               {"iteration": 1, "optimizers": [], "rng": []})
     checkpoint.save_checkpoint(str(out), tiny[1], tiny[0], name="reference")
     (out / "metrics.jsonl").write_text('{"iteration": 0}\n{"iteration": 1}\n')
-    checkpoint.record_settings(train.parse_args(["--out", str(out), "--iterations", str(iterations), *args]))
+    checkpoint.record_settings(train.parse_args(["--out", str(out), "--iterations",
+                                                 str(iterations), *args]))
 
 
 def test_an_out_that_is_in_or_holds_the_model_where_the_run_writes_is_refused(tmp_path, tiny):
-    """Issue cases: --out equal to --model wrote its config.json over the model's; --overwrite into the run
-    whose checkpoint is --model deleted it. Refused in one line, nothing written; beside it is fine."""
+    """Issue cases: --out equal to --model wrote its config.json over the model's; --overwrite into
+    the run whose checkpoint is --model deleted it. Refused in one line, nothing written; beside it
+    is fine."""
     tok, model = tiny
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
@@ -403,18 +451,24 @@ def test_an_out_that_is_in_or_holds_the_model_where_the_run_writes_is_refused(tm
     before = files(tmp_path)
     for out, model_dir, where in ((tmp_path / "model", tmp_path / "model", "is"),
                                   (tmp_path / "model" / "rl", tmp_path / "model", "is inside"),
-                                  (tmp_path / "run", tmp_path / "run" / "checkpoint", "holds it as the run's own")):
-        with pytest.raises(DataError, match=f"^--out '{out}' {where} --model '{model_dir}': the run would write"):
+                                  (tmp_path / "run", tmp_path / "run" / "checkpoint",
+                                   "holds it as the run's own")):
+        with pytest.raises(DataError, match=f"^--out '{out}' {where} --model '{model_dir}': "
+                                            "the run would write"):
             start_in_process("--out", str(out), "--model", str(model_dir), "--overwrite")
         assert files(tmp_path) == before and not (tmp_path / "model" / "rl").exists()
-    for out, model_dir in ((tmp_path / "other", tmp_path / "run" / "checkpoint"), (tmp_path, tmp_path / "model")):
-        start.check_out_apart_from_model(train.parse_args(["--out", str(out), "--model", str(model_dir)]))
+    for out, model_dir in ((tmp_path / "other", tmp_path / "run" / "checkpoint"),
+                           (tmp_path, tmp_path / "model")):
+        start.check_out_apart_from_model(
+            train.parse_args(["--out", str(out), "--model", str(model_dir)]))
 
 
-@pytest.mark.parametrize("bad", [["--max-prompt-tokens", "1"], ["--data", "bad.jsonl"], ["--eval-data", "x.txt"]])
+@pytest.mark.parametrize("bad", [["--max-prompt-tokens", "1"], ["--data", "bad.jsonl"],
+                                 ["--eval-data", "x.txt"]])
 def test_overwrite_that_is_refused_leaves_the_earlier_run(tmp_path, tiny, bad):
-    """--overwrite with a setting that then fails deleted the earlier run first: now the run is refused
-    with everything of the earlier one where it was, byte for byte (no tiny-init.tmp left either)."""
+    """--overwrite with a setting that then fails deleted the earlier run first: now the run is
+    refused with everything of the earlier one where it was, byte for byte (no tiny-init.tmp left
+    either)."""
     (tmp_path / "bad.jsonl").write_text("{\n")
     out = tmp_path / "out"
     earlier_run(out, tiny)
@@ -424,12 +478,14 @@ def test_overwrite_that_is_refused_leaves_the_earlier_run(tmp_path, tiny, bad):
     bad = [str(tmp_path / b) if b.endswith("jsonl") else b for b in bad]
     with pytest.raises(DataError):
         start_in_process("--out", str(out), "--overwrite", "--sft-steps", "0", *bad)
-    assert files(out) == before and sorted(os.listdir(out)) == [".lock", "checkpoint", "config.json",
-                                                                 "metrics.jsonl", "reference", "tiny-init"]
+    assert files(out) == before and sorted(os.listdir(out)) == [".lock", "checkpoint",
+                                                                "config.json", "metrics.jsonl",
+                                                                "reference", "tiny-init"]
 
 
 def test_a_resume_refused_for_a_damaged_row_leaves_config_json(tmp_path, tiny):
-    """A --resume refused because of a damaged metrics.jsonl line had already rewritten config.json."""
+    """A --resume refused because of a damaged metrics.jsonl line had already rewritten
+    config.json."""
     earlier_run(tmp_path, tiny)
     (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\nnot a row\n{"iteration": 1}\n')
     before = files(tmp_path)
@@ -439,53 +495,67 @@ def test_a_resume_refused_for_a_damaged_row_leaves_config_json(tmp_path, tiny):
 
 
 def test_resume_with_other_evaluation_or_training_problems_is_refused(tmp_path, tiny):
-    """A changed --eval-data, or a .jsonl whose content (so its hold-out) changed, mixed two sets in one
-    metrics.jsonl: refused in one line."""
+    """A changed --eval-data, or a .jsonl whose content (so its hold-out) changed, mixed two sets in
+    one metrics.jsonl: refused in one line."""
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(9)))
+    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n"
+                            for i in range(9)))
     earlier_run(tmp_path / "run", tiny, 1, "--data", str(data))
-    resume = lambda *args: checkpoint.find_resume(train.parse_args(["--out", str(tmp_path / "run"), "--resume",
-                                                                    "--data", str(data), *args]))
+    resume = lambda *args: checkpoint.find_resume(train.parse_args(["--out", str(tmp_path / "run"),
+                                                                    "--resume", "--data", str(data),
+                                                                    *args]))
     assert resume()[1]["iteration"] == 1
-    with pytest.raises(DataError, match=r"^--resume: .* was written with --eval-data '', not '.*other.jsonl'$"):
+    with pytest.raises(DataError, match=r"^--resume: .* was written with --eval-data '', "
+                                        r"not '.*other.jsonl'$"):
         resume("--eval-data", str(tmp_path / "other.jsonl"))
-    with pytest.raises(DataError, match=r"^--resume: .* was written with --eval-problems 400, not 5$"):
+    with pytest.raises(DataError,
+                       match=r"^--resume: .* was written with --eval-problems 400, not 5$"):
         resume("--eval-problems", "5")
     data.write_text(data.read_text() + json.dumps({"question": "new", "answer": "#### 1"}) + "\n")
-    with pytest.raises(DataError, match=rf"^--resume: --data {data} has changed since .* was written; the run"):
+    with pytest.raises(DataError, match=rf"^--resume: --data {data} has changed since .* was "
+                                        r"written; the run"):
         resume()
 
 
+@pytest.mark.slow
 def test_prompts_that_fill_the_context_are_dropped_and_ppo_trains(tmp_path, capsys):
-    """Prompts longer than the model's context (512 tokens: characters, for the tiny model) but under
-    --max-prompt-tokens: ppo ended in an IndexError, vineppo and grpo sampled empty responses."""
+    """Prompts longer than the model's context (512 tokens: characters, for the tiny model) but
+    under --max-prompt-tokens: ppo ended in an IndexError, vineppo and grpo sampled empty
+    responses."""
     data = tmp_path / "long.jsonl"
-    rows = [{"question": f"What is {i}+1?" + (" Think." * 90 if i % 4 else ""), "answer": f"#### {i + 1}"}
+    rows = [{"question": f"What is {i}+1?" + (" Think." * 90 if i % 4 else ""),
+             "answer": f"#### {i + 1}"}
             for i in range(80)]  # 3 in 4 over the context: every draw of 4 is likely to hold one
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    cfg = train.parse_args(["--out", str(tmp_path / "out"), "--data", str(data), "--algo", "ppo", *SMALL,
-                            "--iterations", "1", "--sft-steps", "0", "--eval-every", "0", "--save-every", "0"])
+    cfg = train.parse_args(["--out", str(tmp_path / "out"), "--data", str(data), "--algo", "ppo",
+                            *SMALL, "--iterations", "1", "--sft-steps", "0", "--eval-every", "0",
+                            "--save-every", "0"])
     cfg.precision = "fp32"
     train.main(cfg)
     start.held_lock.close()
     said = capsys.readouterr().out
-    assert re.search(r"skipped \d+ of \d+ training problems: prompt over the model's context of 512", said)
+    assert re.search(r"skipped \d+ of \d+ training problems: prompt over the model's context "
+                     r"of 512", said)
     assert [row["iteration"] for row in numbers(tmp_path / "out")] == [0, 1]
     problems = [{"prompt_ids": [0] * n} for n in (510, 511, 512, 600)]
     assert len(prompts.drop_long_prompts(problems, 1512, "training", context=512)) == 2
-    assert "skipped 2 of 4 training problems: prompt over the model's context of 512 tokens less one for the " \
-           "response" in capsys.readouterr().out
-    assert len(prompts.drop_long_prompts(problems, 510, "training", context=512)) == 1  # the flag's rule
+    assert "skipped 2 of 4 training problems: prompt over the model's context of 512 tokens " \
+           "less one for the response" in capsys.readouterr().out
+    # the flag's rule
+    assert len(prompts.drop_long_prompts(problems, 510, "training", context=512)) == 1
 
 
 # ---- settings that would do nothing, or something else ----------------------------------------
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--algo", "grpo", "--critic-warmup", "1"], "--critic-warmup 1: only ppo and tppo have a critic to warm up"),
+    (["--algo", "grpo", "--critic-warmup", "1"],
+     "--critic-warmup 1: only ppo and tppo have a critic to warm up"),
     (["--critic-warmup", "2"], "under vineppo the policy would stand still for 2 iterations"),
-    (["--algo", "grpo", "--samples-per-prompt", "1"], "--samples-per-prompt 1: GRPO's advantage is a reward less"),
-    (["--lr", "3e38"], "--lr 3e+38: expected >= 0 and at most 1 (AdamW moves each weight by about lr a step)"),
+    (["--algo", "grpo", "--samples-per-prompt", "1"],
+     "--samples-per-prompt 1: GRPO's advantage is a reward less"),
+    (["--lr", "3e38"],
+     "--lr 3e+38: expected >= 0 and at most 1 (AdamW moves each weight by about lr a step)"),
     (["--critic-lr", "2"], "--critic-lr 2.0: expected >= 0 and at most 1"),
     (["--sft-lr", "1e30"], "--sft-lr 1e+30: expected >= 0 and at most 1"),
     (["--precision", "fp16"], "--precision 'fp16': expected one of fp32, bf16"),
@@ -496,7 +566,8 @@ def test_prompts_that_fill_the_context_are_dropped_and_ppo_trains(tmp_path, caps
 ])
 def test_settings_that_would_do_nothing_or_overflow_are_refused(capsys, args, message):
     test_vine.test_bad_setting_gives_one_line_error(capsys, args, message)
-    train.parse_args(["--lr", "1", "--algo", "ppo", "--critic-warmup", "1", "--samples-per-prompt", "2"])
+    train.parse_args(["--lr", "1", "--algo", "ppo", "--critic-warmup", "1",
+                      "--samples-per-prompt", "2"])
 
 
 @pytest.mark.parametrize("args, ignored", [
@@ -508,12 +579,14 @@ def test_settings_that_would_do_nothing_or_overflow_are_refused(capsys, args, me
      ["--lam-critic 0.9: ignored (only ppo and tppo have a critic and GAE, not vineppo)",
       "--value-clip 0.1: ignored (only ppo and tppo have a critic and GAE, not vineppo)"]),
     (["--algo", "tppo", "--value-clip", "0.1", "--max-value-states", "3"],
-     ["--value-clip 0.1: ignored (the tracking head learns the outcome itself: no GAE targets, no value clipping)",
+     ["--value-clip 0.1: ignored (the tracking head learns the outcome itself: no GAE targets, "
+      "no value clipping)",
       "--max-value-states 3: ignored (only vineppo has MC values, not tppo)"]),
     (["--mc-increment", "2", "--data", "x.jsonl", "--arith-slip", "0.1"],
      ["--mc-increment 2: ignored (adaptive MC values are off: --mc-max-rollouts 0)",
       "--arith-slip 0.1: ignored (the built-in task's, not --data x.jsonl's)"]),
-    (["--algo", "ppo", "--value-clip", "0.1", "--lam-critic", "0.9", "--mc-max-rollouts", "8", "--mc-increment", "2"],
+    (["--algo", "ppo", "--value-clip", "0.1", "--lam-critic", "0.9", "--mc-max-rollouts", "8",
+      "--mc-increment", "2"],
      ["--mc-max-rollouts 8: ignored (only vineppo has MC values, not ppo)",
       "--mc-increment 2: ignored (only vineppo has MC values, not ppo)"]),
     (["--algo", "grpo"], []),  # the demo preset's --critic-lr and --mc-rollouts are not the user's
@@ -536,28 +609,30 @@ class Foreign:
 
 
 def test_model_paths_messages_and_a_foreign_trainer_state(tmp_path, tiny, monkeypatch):
-    """An empty --model directory, a missing path that cannot be a hub id, a missing one that could be
-    (runs/x: both said), and a trainer state holding an object: each one line of its own, without
+    """An empty --model directory, a missing path that cannot be a hub id, a missing one that could
+    be (runs/x: both said), and a trainer state holding an object: each one line of its own, without
     torch's advice to load the file unsafely."""
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
-    for name, message in (("empty", "--model 'empty': a directory without config.json: expected one written "
-                                    r"by save_pretrained \(model and tokenizer\)$"),
+    for name, message in (("empty", "--model 'empty': a directory without config.json: expected "
+                                    r"one written by save_pretrained \(model and tokenizer\)$"),
                           ("runs/x/y", "--model 'runs/x/y': no such directory$"),
-                          ("runs/x", r"--model 'runs/x': cannot load it \(no local directory of that name, nor "
-                                     "on the hub: ")):
+                          ("runs/x", r"--model 'runs/x': cannot load it \(no local directory of "
+                                     "that name, nor on the hub: ")):
         with pytest.raises(DataError, match="^" + message):
             checkpoint.load_model(name, "cpu")
     with pytest.raises(DataError, match="^--checkpoint '/gone': no such directory"):
         checkpoint.load_model("/gone", "cpu", flag="--checkpoint")
-    checkpoint.save_checkpoint(str(tmp_path), tiny[1], tiny[0], {"iteration": 1, "foreign": Foreign()})
+    checkpoint.save_checkpoint(str(tmp_path), tiny[1], tiny[0],
+                               {"iteration": 1, "foreign": Foreign()})
     with pytest.raises(DataError) as refused:
         checkpoint.find_resume(train.parse_args(["--out", str(tmp_path), "--resume"]))
-    assert str(refused.value) == (f"--resume: {tmp_path}/checkpoint/trainer_state.pt cannot be read (it holds "
-                                  "test_survive.Foreign, not only tensors and plain data; train.py does not write "
-                                  "such files)") and "weights_only" not in str(refused.value)
+    assert str(refused.value) == (f"--resume: {tmp_path}/checkpoint/trainer_state.pt cannot be "
+                                  "read (it holds test_survive.Foreign, not only tensors and "
+                                  "plain data; train.py does not write such files)"
+                                  ) and "weights_only" not in str(refused.value)
 
 
 def test_eval_data_and_out_messages_name_their_setting(tmp_path, monkeypatch):
@@ -567,12 +642,14 @@ def test_eval_data_and_out_messages_name_their_setting(tmp_path, monkeypatch):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFound)")
     monkeypatch.setattr(datasets, "load_dataset", offline)
     monkeypatch.setattr(start, "go_offline_without_hub", lambda cfg: None)
-    with pytest.raises(DataError, match=r"^--eval-data gsm8k: cannot load openai/gsm8k from the hub \(Couldn't"):
+    with pytest.raises(DataError, match=r"^--eval-data gsm8k: cannot load openai/gsm8k from the "
+                                        r"hub \(Couldn't"):
         start_in_process("--out", str(tmp_path / "out"), "--eval-data", "gsm8k")
     with pytest.raises(DataError, match=r"^--eval-data 'nope': expected 'arith', 'gsm8k', 'math'"):
         start_in_process("--out", str(tmp_path / "out"), "--eval-data", "nope")
     (tmp_path / "file").write_text("mine")
-    with pytest.raises(DataError, match=rf"^--out '{tmp_path / 'file'}' is a file, not a directory$"):
+    with pytest.raises(DataError,
+                       match=rf"^--out '{tmp_path / 'file'}' is a file, not a directory$"):
         start.prepare_out(train.parse_args(["--out", str(tmp_path / "file")]))
     assert (tmp_path / "file").read_text() == "mine"
     os.symlink(tmp_path / "gone", tmp_path / "dangling")
@@ -583,10 +660,11 @@ def test_eval_data_and_out_messages_name_their_setting(tmp_path, monkeypatch):
 def test_evaluating_on_training_questions_is_said(tmp_path, capsys):
     """The same .jsonl as --data and --eval-data: one warning with the count."""
     data = os.path.join(HERE, "fixtures", "gsm8k_sample.jsonl")
-    start_in_process("--out", str(tmp_path), "--data", data, "--eval-data", data, "--sft-steps", "0",
-                     "--eval-problems", "3", "--iterations", "0")
+    start_in_process("--out", str(tmp_path), "--data", data, "--eval-data", data,
+                     "--sft-steps", "0", "--eval-problems", "3", "--iterations", "0")
     said = capsys.readouterr()
-    assert "warning: 3 of the 3 held-out questions are training questions too" in said.out + said.err
+    assert ("warning: 3 of the 3 held-out questions are training questions too"
+            in said.out + said.err)
     start_in_process("--out", str(tmp_path / "apart"), "--data", data, "--sft-steps", "0",
                      "--iterations", "0")  # held out by the hash: no overlap, no warning
     said = capsys.readouterr()
@@ -600,27 +678,32 @@ def test_a_full_disk_while_writing_tiny_init_is_one_line(tmp_path, monkeypatch):
     from transformers import modeling_utils
 
     def full(*args, **kwargs):
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
     monkeypatch.setattr(modeling_utils, "safe_save_file", full)
     path = str(tmp_path / "tiny-init.tmp")
-    with pytest.raises(OSError, match=rf"^cannot write {path} \(Error while serializing: I/O error: No space left"):
+    with pytest.raises(OSError, match=rf"^cannot write {path} \(Error while serializing: "
+                                      r"I/O error: No space left"):
         start.build_tiny(path, seed=0)
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_while_the_libraries_load_is_one_line(tmp_path, signum):
     """Ctrl-C (or SIGTERM) in the first seconds, while torch is being imported: a KeyboardInterrupt
     traceback (SIGTERM: nothing at all) before; one line and 128 + the signal's number now."""
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", str(tmp_path)], cwd=HERE,
-                            env=OFFLINE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out",
+                             str(tmp_path)], cwd=HERE, env=OFFLINE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and "torch" not in open(f"/proc/{proc.pid}/maps").read():
         time.sleep(0.005)  # torch's libraries are being loaded: train.py's first lines have run
     proc.send_signal(signum)
     err = proc.communicate(timeout=120)[1]
     name = signal.Signals(signum).name
-    assert proc.returncode == 128 + signum and err == f"stopped by {name} while starting; nothing was written\n"
+    assert (proc.returncode == 128 + signum
+            and err == f"stopped by {name} while starting; nothing was written\n")
     assert os.listdir(tmp_path) == []
 
 
@@ -649,25 +732,33 @@ def test_diagnose_paths_and_counts_are_checked(tmp_path):
     checkpoint.build_tiny_model(str(tmp_path / "model"), seed=0)
     (tmp_path / "file").write_text("mine")
     ok = ["--checkpoint", str(tmp_path / "model")]
-    for args, message in ((["--checkpoint", "/missing"], "--checkpoint '/missing': no such directory"),
-                          ([*ok, "--critic-checkpoint", "/gone"], "--critic-checkpoint '/gone': no such directory"),
-                          ([*ok, "--trajectories", "100000"], r"--trajectories 100000: the held-out set has \d+ "),
-                          ([*ok, "--out", str(tmp_path / "file")], "--out '.*file' is a file, not a directory")):
+    for args, message in ((["--checkpoint", "/missing"],
+                           "--checkpoint '/missing': no such directory"),
+                          ([*ok, "--critic-checkpoint", "/gone"],
+                           "--critic-checkpoint '/gone': no such directory"),
+                          ([*ok, "--trajectories", "100000"],
+                           r"--trajectories 100000: the held-out set has \d+ "),
+                          ([*ok, "--out", str(tmp_path / "file")],
+                           "--out '.*file' is a file, not a directory")):
         with pytest.raises(DataError, match="^" + message):
             diagnose.main(args)
     assert (tmp_path / "file").read_text() == "mine"
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--variant", "foo"], "--variant 'foo': expected NAME=FLAGS with NAME beginning with one of vineppo, ppo"),
+    (["--variant", "foo"],
+     "--variant 'foo': expected NAME=FLAGS with NAME beginning with one of vineppo, ppo"),
     (["--seconds", "-1"], "--seconds -1.0: expected a number of seconds >= 0"),
-    (["--variant", "vineppo=--mc-reuse", "--algos", "vineppo"], "--variant 'vineppo=--mc-reuse': expected"),
+    (["--variant", "vineppo=--mc-reuse", "--algos", "vineppo"],
+     "--variant 'vineppo=--mc-reuse': expected"),
     (["--seeds", "a"], "--seeds 'a': expected comma-separated integers >= 0"),
     (["--chains", "6"], "--chains '6': expected comma-separated MIN-MAX, 1 <= MIN <= MAX"),
-    (["--chains", "9-12", "--traps", ""], "--chains '9-12': expected comma-separated MIN-MAX, 1 <= MIN <= MAX, at "
-                                          "most 8 steps without --traps"),
+    (["--chains", "9-12", "--traps", ""],
+     "--chains '9-12': expected comma-separated MIN-MAX, 1 <= MIN <= MAX, at "
+     "most 8 steps without --traps"),
     (["--traps", "2"], "--traps '2': expected '' or MIN-MAX, 0 <= MIN <= MAX"),
-    (["--algos", "vineppo,a2c"], "--algos 'vineppo,a2c': expected distinct names of vineppo, ppo, tppo, grpo"),
+    (["--algos", "vineppo,a2c"],
+     "--algos 'vineppo,a2c': expected distinct names of vineppo, ppo, tppo, grpo"),
     (["--jobs", "0"], "--jobs 0: expected >= 1"),
     (["--iterations", "-1"], "--iterations -1: expected >= 0"),
 ])
@@ -676,9 +767,11 @@ def test_compare_settings_are_checked(capsys, args, message):
     with pytest.raises(SystemExit) as stop:
         compare.parse_args(args)
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert (stop.value.code == 2 and err.startswith(f"error: {message}")
+            and err.count("\n") == 1), err
 
 
+@pytest.mark.slow
 def test_compare_stops_with_train_pys_own_line(tmp_path, capfd):
     """A run that fails: train.py's one line, and compare.py ends with its exit status, not a
     CalledProcessError traceback on top."""
@@ -687,9 +780,11 @@ def test_compare_stops_with_train_pys_own_line(tmp_path, capfd):
     with pytest.raises(SystemExit) as stop:
         compare.run(str(tmp_path / "sft"), "--iterations", "0")
     err = capfd.readouterr().err
-    assert stop.value.code == 2 and err == f"error: --out '{tmp_path / 'sft'}' is a file, not a directory\n"
+    assert (stop.value.code == 2
+            and err == f"error: --out '{tmp_path / 'sft'}' is a file, not a directory\n")
 
 
+@pytest.mark.slow
 def test_a_refused_second_run_leaves_the_first_runs_files(tmp_path):
     """A second run into a busy --out is refused and removes nothing of the first's.
 

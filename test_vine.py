@@ -19,13 +19,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 import batching
 import checkpoint
 import parallel
+import generation
 import ppo
 import rollout
 import train
 import value
 import vine
 from prompts import sft_target
-from reward import DataError, arith_dataset, extract_answer, gsm8k_reward, load_problems, read_jsonl, split_of
+from reward import (DataError, arith_dataset, extract_answer, gsm8k_reward, load_problems,
+                    read_jsonl, split_of)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,7 +61,8 @@ def test_arith_task_is_consistent_and_multistep(steps):
                 a, op, b = (lhs.partition("+") if "+" in lhs else lhs.partition("-"))
                 assert total is None or int(a) == total  # the chain goes on from the line above
                 exact = int(a) + int(b) if op == "+" else int(a) - int(b)
-                assert int(rhs) - exact in ((0,) if text is lines else (-1, 0, 1)) and 0 <= int(rhs) <= 9
+                assert (int(rhs) - exact in ((0,) if text is lines else (-1, 0, 1))
+                        and 0 <= int(rhs) <= 9)
                 slipped += int(rhs) != exact
                 total = int(rhs)
             assert text[-1] == f"#### {total}"
@@ -77,14 +80,17 @@ def split(text, tokens=None):
 
 def test_step_split_reference_examples():
     assert split("\nA.\nB.\n#### 72\n") == ["\nA.", "\nB.\n#### 72\n"]
-    assert split("\nA = 3.\nB = 4.\n\nC = 7\n#### 1,000") == ["\nA = 3.", "\nB = 4.", "\n", "\nC = 7\n#### 1,000"]
-    assert split("\n\nA\nB\n") == ["\n\nA", "\nB", "\n"]        # no answer: every line, leading empties merged
+    assert (split("\nA = 3.\nB = 4.\n\nC = 7\n#### 1,000")
+            == ["\nA = 3.", "\nB = 4.", "\n", "\nC = 7\n#### 1,000"])
+    # no answer: every line, leading empties merged
+    assert split("\n\nA\nB\n") == ["\n\nA", "\nB", "\n"]
     assert split("A\n\n#### 5") == ["A\n\n#### 5"]
 
 
 def test_step_split_multichar_tokens_follow_first_character():
     # '.\n' carries the newline that opens step 2, so step 2 starts at the next token
-    assert split(None, ["A", ".\n", "B", "\n", "C", "\n#", "### 5", "</s>"[:0]]) == ["A.\n", "B", "\nC\n#### 5"]
+    assert (split(None, ["A", ".\n", "B", "\n", "C", "\n#", "### 5", "</s>"[:0]])
+            == ["A.\n", "B", "\nC\n#### 5"])
 
 
 def test_step_advantages_hand_computed():
@@ -94,8 +100,10 @@ def test_step_advantages_hand_computed():
     assert vine.step_advantages([0.5, 0.7, None, None], 1.0) == pytest.approx([0.2, 0.3, 0.0, 0.0])
     assert vine.step_advantages([0.5], 0.0) == pytest.approx([-0.5])
     # reuse: the response joins V(s_{i+1}) of A_i, (n V + R) / (n + 1), never the baseline V(s_i)
-    assert vine.step_advantages([0.5, 0.25, 1.0], 1.0, [2, 3, 4]) == pytest.approx([0.4375 - 0.5, 0.75, 0.0])
-    assert vine.step_advantages([0.5, 0.25, None], 0.0, [2, 3, None]) == pytest.approx([0.1875 - 0.5, -0.25, 0.0])
+    assert (vine.reuse_step_advantages([0.5, 0.25, 1.0], 1.0, [2, 3, 4])
+            == pytest.approx([0.4375 - 0.5, 0.75, 0.0]))
+    assert (vine.reuse_step_advantages([0.5, 0.25, None], 0.0, [2, 3, None])
+            == pytest.approx([0.1875 - 0.5, -0.25, 0.0]))
     assert vine.token_advantages([0, 2, 3], [1.0, 2.0, 3.0], 5) == [1.0, 1.0, 2.0, 3.0, 3.0]
 
 
@@ -107,14 +115,14 @@ def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
         # continuation j of a prefix is [j]; its reward (below) is 1 iff j < len(prefix) % 4
         return [[[j] for j in range(k)] for _ in prefixes], [[True] * k for _ in prefixes]
 
-    monkeypatch.setattr(rollout, "sample", fake_sample)
+    monkeypatch.setattr(rollout, "continue_from_cache", fake_sample)
     eps = [rollout.Episode([1, 5], [7, 8, 9, 2], "", 0, True, step_starts=[0, 1, 3]),
            rollout.Episode([1, 5], [7, 8, 6, 2], "", 0, True, step_starts=[0, 2]),
            rollout.Episode([1, 6], [7, 2], "", 1, True, step_starts=[0])]
     grade = lambda ep, ids, tok: float(ids[-1] < (len(ep.prompt_ids) + len(ids) - 1) % 4)
     monkeypatch.setattr(rollout, "response_reward", grade)
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10, eos_id=2, pad_id=0)
-    counts = vine.mc_values(None, eps, None, 4, sampling, max_states=25)
+    counts = vine.mc_values(None, eps, None, sampling, vine.MCSettings(4, max_states=25))
     assert counts["mc_states"] == 5   # 6 states, [1,5] shared by the two samples of prompt 0
     assert len(calls) == 1 and sorted(calls[0][1]) == [7, 8, 9, 10, 10]  # budget = 10 - boundary
     # prefix length L -> continuation rewards [j < L % 4 for j < 4] -> value (L % 4) / 4
@@ -125,15 +133,16 @@ def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
 
 def test_mc_values_cap_leaves_none(monkeypatch):
     ep = rollout.Episode([1], [4, 4, 4, 2], "", 0, True, step_starts=[0, 1, 2, 3])
-    monkeypatch.setattr(rollout, "sample", lambda m, prefixes, k, b, sampling, **kw: (
+    monkeypatch.setattr(rollout, "continue_from_cache", lambda m, prefixes, k, b, sampling, **kw: (
         [[[2]] * k for _ in prefixes], [[True] * k for _ in prefixes]))
     monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: 1.0)
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, pad_id=0)
-    vine.mc_values(None, [ep], None, 2, sampling, max_states=2)
+    vine.mc_values(None, [ep], None, sampling, vine.MCSettings(2, max_states=2))
     assert ep.step_values == [1.0, 1.0, None, None]
 
 
-def reference_rollout_count(rewards: list[int], k: int, increment: int, max_k: int, ci_width: float) -> int:
+def reference_rollout_count(rewards: list[int], k: int, increment: int, max_k: int,
+                            ci_width: float) -> int:
     """The reference's loop, one round at a time: how many of `rewards` (in order) it draws."""
     n = k
     while True:
@@ -150,11 +159,13 @@ def adaptive_count(rewards: list[int], k: int, increment: int, max_k: int, ci_wi
     return n
 
 
-@pytest.mark.parametrize("k, increment, max_k, ci_width", [(3, 2, 9, 0.6), (2, 1, 8, 0.5), (3, 3, 10, 0.05),
-                                                         (4, 3, 11, 0.7), (1, 2, 8, 0.9)])
-def test_more_rollouts_draws_what_the_reference_draws_on_every_outcome(k, increment, max_k, ci_width):
-    # every 0/1 sequence long enough for any stop: the count of the reference's round-by-round loop, whose
-    # last round may step past max_k (3, +3, <= 10 draws 12), cut to max_k
+@pytest.mark.parametrize("k, increment, max_k, ci_width", [(3, 2, 9, 0.6), (2, 1, 8, 0.5),
+                                                           (3, 3, 10, 0.05), (4, 3, 11, 0.7),
+                                                           (1, 2, 8, 0.9)])
+def test_more_rollouts_draws_what_the_reference_draws_on_every_outcome(k, increment, max_k,
+                                                                       ci_width):
+    # every 0/1 sequence long enough for any stop: the count of the reference's round-by-round loop,
+    # whose last round may step past max_k (3, +3, <= 10 draws 12), cut to max_k
     longest = max_k + increment
     for bits in itertools.product((0, 1), repeat=longest):
         assert adaptive_count(list(bits), k, increment, max_k, ci_width) == \
@@ -162,8 +173,8 @@ def test_more_rollouts_draws_what_the_reference_draws_on_every_outcome(k, increm
 
 
 def fake_mc_sampling(monkeypatch):
-    """Two episodes of one prompt, and a fake `sample` whose continuation of a prefix [1, 3, ...] is right
-    (ends in 3) always, else every other one: (the calls it records, sampling, episodes)."""
+    """Two episodes of one prompt, and a fake `sample` whose continuation of a prefix [1, 3, ...] is
+    right (ends in 3) always, else every other one: (the calls it records, sampling, episodes)."""
     calls = []
 
     def fake_sample(model, prefixes, n, budgets, sampling, **kw):
@@ -171,7 +182,7 @@ def fake_mc_sampling(monkeypatch):
         return [[[3 if p[-1] == 3 or j % 2 else 4] for j in range(n)] for p in prefixes], \
             [[True] * n for _ in prefixes]
 
-    monkeypatch.setattr(rollout, "sample", fake_sample)
+    monkeypatch.setattr(rollout, "continue_from_cache", fake_sample)
     monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: float(ids[-1] == 3))
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=2, pad_id=0)
     eps = [rollout.Episode([1], [3, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1]),
@@ -180,27 +191,34 @@ def fake_mc_sampling(monkeypatch):
 
 
 def test_mc_max_rollouts_is_a_cap(monkeypatch):
-    """--mc-rollouts 2 --mc-max-rollouts 3 --mc-increment 50: at most 3 continuations a state (52 before)."""
-    assert vine.more_rollouts([0, 1], 50, 3, 0.05) == 1 and vine.more_rollouts([1, 1], 50, 3, 0.05) == 0
+    """--mc-rollouts 2 --mc-max-rollouts 3 --mc-increment 50: at most 3 continuations a state (52
+    before)."""
+    assert (vine.more_rollouts([0, 1], 50, 3, 0.05) == 1
+            and vine.more_rollouts([1, 1], 50, 3, 0.05) == 0)
     calls, sampling, eps = fake_mc_sampling(monkeypatch)
-    counts = vine.mc_values(None, eps, None, 2, sampling, max_k=3, increment=50, ci_width=0.05)
+    counts = vine.mc_values(None, eps, None, sampling,
+                            vine.MCSettings(2, max_k=3, increment=50, ci_width=0.05))
     # [1] and [1, 4] are mixed after 2: one more each, 3 in all; [1, 3] agrees and stops at 2
-    assert calls == [(3, 2), (2, 1)] and counts["mc_continuations"] == 3 + 2 + 3 and counts["mc_states"] == 3
+    assert (calls == [(3, 2), (2, 1)] and counts["mc_continuations"] == 3 + 2 + 3
+            and counts["mc_states"] == 3)
 
 
 def test_more_rollouts_hand_computed():
     # the reference's 10, +4, 30, 0.05: ten that agree stop; any disagreement can only stop at 30
-    assert vine.more_rollouts([1] * 10, 4, 30, 0.05) == 0 and vine.more_rollouts([0] * 10, 4, 30, 0.05) == 0
+    assert (vine.more_rollouts([1] * 10, 4, 30, 0.05) == 0
+            and vine.more_rollouts([0] * 10, 4, 30, 0.05) == 0)
     assert vine.more_rollouts([1] * 9 + [0], 4, 30, 0.05) == 20
     assert vine.more_rollouts([1] * 29 + [0], 4, 30, 0.05) == 0  # at the cap
-    # width 0.5: at n = 14 the least width over 5..9 successes is 0.502, at 18 (5 of 18) 0.414: jump 8
+    # width 0.5: at n = 14 the least width over 5..9
+    # successes is 0.502, at 18 (5 of 18) 0.414: jump 8
     assert vine.more_rollouts([1] * 5 + [0] * 5, 4, 30, 0.5) == 8
 
 
 def adaptive_law(p: float, k=10, increment=4, max_k=30, ci_width=0.05) -> tuple[float, float]:
     """Exactly, for a state of value p: (E[V_hat], E[continuations]) under more_rollouts' rule."""
     from math import comb
-    law = {(k, s): comb(k, s) * p ** s * (1 - p) ** (k - s) for s in range(k + 1)}  # (n, successes) -> prob
+    # (n, successes) -> prob
+    law = {(k, s): comb(k, s) * p ** s * (1 - p) ** (k - s) for s in range(k + 1)}
     mean = count = 0.0
     while law:
         (n, s), prob = law.popitem()
@@ -223,7 +241,8 @@ def test_adaptive_bias_and_cost_enumerated_exactly():
         assert adaptive_law(p)[1] == pytest.approx(10 + 20 * (1 - p ** 10 - (1 - p) ** 10))
 
 
-# A two-step tree: from the prompt [1], step 1 is token 3 or 4, step 2 is token 3 or 4; the reward of each path
+# A two-step tree: from the prompt [1], step 1 is token 3
+# or 4, step 2 is token 3 or 4; the reward of each path
 POLICY = {(1,): {3: 0.7, 4: 0.3}, (1, 3): {3: 0.6, 4: 0.4}, (1, 4): {3: 0.2, 4: 0.8}}
 TREE_REWARD = {(3, 3): 1.0, (3, 4): 0.0, (4, 3): 0.0, (4, 4): 1.0}
 
@@ -232,7 +251,8 @@ def paths(state=(1,)):
     """(continuation, probability) of every way the policy can go on from `state` to the end."""
     if len(state) == 3:
         return [((), 1.0)]
-    return [((a,) + rest, pa * pr) for a, pa in POLICY[state].items() for rest, pr in paths(state + (a,))]
+    return [((a,) + rest, pa * pr) for a, pa in POLICY[state].items()
+            for rest, pr in paths(state + (a,))]
 
 
 def true_value(state) -> float:
@@ -240,13 +260,16 @@ def true_value(state) -> float:
 
 
 def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
-    """E[A_i | s_i, a_i] of the first episode by exact enumeration of every response of the group and every
-    MC continuation of every state, through vine.mc_values and vine.step_advantages; and the same with the
-    response put into its own baselines (what reuse must not do). -> {(i, step tokens): (E, E put in baseline)}"""
+    """E[A_i | s_i, a_i] of the first episode by exact enumeration of every response of the group
+    and every MC continuation of every state, through vine.mc_values and vine.step_advantages; and
+    the same with the response put into its own baselines (what reuse must not do). -> {(i, step
+    tokens): (E, E put in baseline)}"""
     states = [(1,), (1, 3), (1, 4)]
     assignment = {}
-    monkeypatch.setattr(rollout, "sample", lambda model, prefixes, n, budgets, sampling, **kw: (
-        [[list(assignment[(tuple(p), j)]) for j in range(n)] for p in prefixes], [[True] * n for _ in prefixes]))
+    monkeypatch.setattr(rollout, "continue_from_cache",
+                        lambda model, prefixes, n, budgets, sampling, **kw: (
+        [[list(assignment[(tuple(p), j)]) for j in range(n)] for p in prefixes],
+        [[True] * n for _ in prefixes]))
     monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: TREE_REWARD[tuple(ids)])
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=2, eos_id=2, pad_id=0)
     sums, weights = collections.defaultdict(lambda: [0.0, 0.0]), collections.defaultdict(float)
@@ -255,13 +278,16 @@ def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
         for conts in itertools.product(*continuation_sets):
             weight = math.prod(p for _, p in responses) * math.prod(p for c in conts for _, p in c)
             assignment = {(s, j): c[j][0] for s, c in zip(states, conts) for j in range(k)}
-            eps = [rollout.Episode([1], list(r), "", 0, True, reward=TREE_REWARD[r], step_starts=[0, 1])
+            eps = [rollout.Episode([1], list(r), "", 0, True, reward=TREE_REWARD[r],
+                                   step_starts=[0, 1])
                    for r, _ in responses]
-            vine.mc_values(None, eps, None, k, sampling, **options)
+            vine.mc_values(None, eps, None, sampling, vine.MCSettings(k, **options))
             ep = eps[0]
-            advantages = vine.step_advantages(ep.step_values, ep.reward, ep.step_counts)
-            own = [(n * v + ep.reward) / (n + 1) for v, n in zip(ep.step_values, ep.step_counts or [k] * 2)]
-            wrong = vine.step_advantages(own, ep.reward)  # the response in the baseline of its own steps
+            advantages = vine.episode_step_advantages(ep)
+            own = [(n * v + ep.reward) / (n + 1)
+                   for v, n in zip(ep.step_values, ep.step_counts or [k] * 2)]
+            # the response in the baseline of its own steps
+            wrong = vine.step_advantages(own, ep.reward)
             for i in range(2):
                 key = (i, tuple(ep.response_ids[: i + 1]))
                 sums[key][0] += weight * advantages[i]
@@ -270,7 +296,8 @@ def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
     return {key: (a / weights[key], b / weights[key]) for key, (a, b) in sums.items()}
 
 
-@pytest.mark.parametrize("k, group, options", [(1, 1, {}), (2, 1, dict(reuse=True)), (1, 2, dict(reuse=True)),
+@pytest.mark.parametrize("k, group, options", [(1, 1, {}), (2, 1, dict(reuse=True)),
+                                               (1, 2, dict(reuse=True)),
                                                (2, 2, dict(reuse=True, top_up=True))])
 def test_reused_responses_keep_the_advantage_unbiased(monkeypatch, k, group, options):
     result = expected_advantages(monkeypatch, k, group, **options)
@@ -285,17 +312,23 @@ def test_reused_responses_keep_the_advantage_unbiased(monkeypatch, k, group, opt
 
 def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
     calls, sampling, eps = fake_mc_sampling(monkeypatch)
-    counts = vine.mc_values(None, eps, None, 3, sampling, max_k=9, increment=2, ci_width=0.05)
-    # round 1: 3 states x 3; [1, 3] agrees and stops; [1] and [1, 4] are mixed, straight to 9: one call
-    assert calls == [(3, 3), (2, 6)] and counts["mc_continuations"] == 3 + 9 + 9 and counts["mc_states"] == 3
-    assert eps[0].step_values == [4 / 9, 1.0] and eps[1].step_values == [4 / 9, 4 / 9] and eps[0].step_counts == []
+    counts = vine.mc_values(None, eps, None, sampling,
+                            vine.MCSettings(3, max_k=9, increment=2, ci_width=0.05))
+    # round 1: 3 states x 3; [1, 3] agrees and stops;
+    # [1] and [1, 4] are mixed, straight to 9: one call
+    assert (calls == [(3, 3), (2, 6)] and counts["mc_continuations"] == 3 + 9 + 9
+            and counts["mc_states"] == 3)
+    assert (eps[0].step_values == [4 / 9, 1.0] and eps[1].step_values == [4 / 9, 4 / 9]
+            and eps[0].step_counts == [])
     calls.clear()
-    counts = vine.mc_values(None, eps, None, 3, sampling, reuse=True, top_up=True)
-    # the prompt has one other response through it: 2 continuations; [1, 3] and [1, 4]: none, so 3 each
+    counts = vine.mc_values(None, eps, None, sampling, vine.MCSettings(3, reuse=True, top_up=True))
+    # the prompt has one other response through it: 2
+    # continuations; [1, 3] and [1, 4]: none, so 3 each
     assert calls == [(8, 1)] and counts["mc_continuations"] == 8  # one call: a row per continuation
-    assert eps[0].step_counts == [3, 3] and eps[0].step_values == [1 / 3, 1.0]  # [1]: 4, 4 and ep 1's R
+    # [1]: 4, 4 and ep 1's R
+    assert eps[0].step_counts == [3, 3] and eps[0].step_values == [1 / 3, 1.0]
     with pytest.raises(ValueError):
-        vine.mc_values(None, eps, None, 3, sampling, top_up=True)
+        vine.mc_values(None, eps, None, sampling, vine.MCSettings(3, top_up=True))
 
 
 # ---- rollouts and forking -----------------------------------------------------------------
@@ -305,7 +338,8 @@ def model():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
-                         max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                         max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0)
     return LlamaForCausalLM(config).eval().double()  # float64: greedy ties cannot flip
 
 
@@ -321,7 +355,8 @@ def test_forked_greedy_equals_reencoded_greedy(model):
     prefixes = [seqs[0][:12], seqs[0][:30], seqs[1][:5], seqs[2][:25], seqs[1][:17]]
     rows = [0, 0, 1, 2, 1]
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0)
-    forked, _ = rollout.sample(model, prefixes, 3, [12] * 5, greedy, cache=cache, rows=rows)
+    forked, _ = rollout.continue_from_cache(model, prefixes, 3, [12] * 5, greedy, cache=cache,
+                                            rows=rows)
     for prefix, forks in zip(prefixes, forked):
         alone, _ = rollout.sample(model, [prefix], 1, [12], greedy)  # re-encoded, unbatched
         assert len(set(map(tuple, forks))) == 1 and forks[0] == alone[0][0]
@@ -339,42 +374,51 @@ def test_forked_logprobs_equal_full_forward(model):
     fork_ids, attn, forked = rollout.fork(cache, prefixes, rows, 1, 3, pad_id=0)
     for step in range(3):  # feed the true next tokens one at a time
         last = torch.tensor([seqs[r][e - 1 + step] for r, e in zip(rows, ends)])[:, None]
-        out = model(input_ids=last, attention_mask=attn, cache=forked, position_ids=torch.tensor(ends)[:, None] - 1 + step)
+        out = model(input_ids=last, attention_mask=attn, cache=forked,
+                    position_ids=torch.tensor(ends)[:, None] - 1 + step)
         logp = (out.logits[:, -1] / 0.6).log_softmax(-1)
         for i, (r, e) in enumerate(zip(rows, ends)):
-            assert logp[i, seqs[r][e + step]].item() == pytest.approx(full[r, e - 1 + step].item(), abs=1e-9)
+            assert (logp[i, seqs[r][e + step]].item()
+                    == pytest.approx(full[r, e - 1 + step].item(), abs=1e-9))
         attn = torch.cat([attn, torch.ones(4, 1, dtype=attn.dtype)], 1)
     assert forked.get_seq_length() == max(ends) + 2
 
 
 def cut_cost(batches, lengths, budgets, rows, overhead):
     """(padding + overhead per batch, batches) of a batching, computed from its definition."""
-    padding = sum(rows[j] * (max(lengths[i] for i in b) + max(budgets[i] for i in b) - lengths[j] - budgets[j])
+    padding = sum(rows[j] * (max(lengths[i] for i in b) + max(budgets[i] for i in b)
+                             - lengths[j] - budgets[j])
                   for b in batches for j in b)
     return padding + overhead * len(batches), len(batches)
 
 
 def test_least_padding_hand_example():
     # 2 x 2 <= 20 and 2 x 10 <= 20, one batch of all would be 4 x 10 = 40 > 20: padding 1 + 1
-    assert batching.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 20, overhead=2) == [[1, 3], [0, 2]]
-    assert batching.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 20) == [[1], [3], [0], [2]]  # no padding
+    assert (batching.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 20, overhead=2)
+            == [[1, 3], [0, 2]])
+    # no padding
+    assert batching.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 20) == [[1], [3], [0], [2]]
     # a batch costs 3: cutting [1, 2] from [9, 10] saves 16 of padding, cutting [1] from [2] only 1
-    assert batching.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 100, overhead=3) == [[1, 3], [0, 2]]
+    assert (batching.least_padding([9, 1, 10, 2], [0] * 4, [1] * 4, 100, overhead=3)
+            == [[1, 3], [0, 2]])
     assert batching.least_padding([1, 2], [0, 0], [1, 1], 100, overhead=3) == [[0, 1]]
-    assert batching.least_padding([50, 1], [0, 0], [1, 1], 10) == [[1], [0]]  # over the budget: alone
+    # over the budget: alone
+    assert batching.least_padding([50, 1], [0, 0], [1, 1], 10) == [[1], [0]]
     assert batching.padding_fraction([[0, 1]], [1, 3], [2, 0], [1, 1]) == pytest.approx(1 - 6 / 10)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 4), st.integers(1, 3)), min_size=1, max_size=7),
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 4), st.integers(1, 3)), min_size=1,
+                max_size=7),
        st.integers(5, 60), st.sampled_from([0, 4, 30]))
 def test_least_padding_is_the_best_of_every_cut(items, max_tokens, overhead):
-    """Against every set of cut points of the items sorted by length (then budget): the least cost (fewest
-    batches on a tie); every item exactly once; no batch over the budget but a lone item."""
+    """Against every set of cut points of the items sorted by length (then budget): the least cost
+    (fewest batches on a tie); every item exactly once; no batch over the budget but a lone item."""
     lengths, budgets, rows = map(list, zip(*items))
     batches = batching.least_padding(lengths, budgets, rows, max_tokens, overhead)
     assert sorted(j for b in batches for j in b) == list(range(len(items)))
-    tokens = lambda b: sum(rows[j] for j in b) * (max(lengths[j] for j in b) + max(budgets[j] for j in b))
+    tokens = lambda b: (sum(rows[j] for j in b)
+                        * (max(lengths[j] for j in b) + max(budgets[j] for j in b)))
     assert all(tokens(b) <= max_tokens or len(b) == 1 for b in batches)
     order = sorted(range(len(items)), key=lambda j: (lengths[j], budgets[j]))
     best = None
@@ -388,13 +432,18 @@ def test_least_padding_is_the_best_of_every_cut(items, max_tokens, overhead):
 
 
 def test_group_chunks_keep_prompts_whole_within_the_budget():
-    lengths = {0: [5, 9], 1: [30, 31, 30], 2: [6], 3: [28, 2]}  # group -> its episodes' prompt + response
-    episodes = [rollout.Episode([1] * 2, [3] * (n - 2), "", g, True) for g, ns in lengths.items() for n in ns]
-    index = lambda chunks: [[next(i for i, e in enumerate(episodes) if e is ep) for ep in c] for c in chunks]
-    # sorted by longest: groups 2, 0, 3, 1 (rows 1, 2, 2, 3); 1 x 3 of padding for a batch fewer, groups
-    # 0 and 3 would be 4 x 28 > 100
-    assert index(batching.group_chunks(episodes, 100, overhead=20)) == [[0, 1, 5], [2, 3, 4], [6, 7]]
-    assert index(batching.group_chunks(episodes, 100, overhead=2)) == [[0, 1], [2, 3, 4], [5], [6, 7]]
+    # group -> its episodes' prompt + response
+    lengths = {0: [5, 9], 1: [30, 31, 30], 2: [6], 3: [28, 2]}
+    episodes = [rollout.Episode([1] * 2, [3] * (n - 2), "", g, True) for g, ns in lengths.items()
+                for n in ns]
+    index = lambda chunks: [[next(i for i, e in enumerate(episodes) if e is ep) for ep in c]
+                            for c in chunks]
+    # sorted by longest: groups 2, 0, 3, 1 (rows 1, 2, 2, 3); 1 x 3 of padding for a batch fewer,
+    # groups 0 and 3 would be 4 x 28 > 100
+    assert (index(batching.group_chunks(episodes, 100, overhead=20))
+            == [[0, 1, 5], [2, 3, 4], [6, 7]])
+    assert (index(batching.group_chunks(episodes, 100, overhead=2))
+            == [[0, 1], [2, 3, 4], [5], [6, 7]])
     # all fit (8 x 31): padding 25 + 2 x 22 + 2 x 3 = 75 against 3 and 2 x 3 in two batches
     assert index(batching.group_chunks(episodes, 1000, overhead=20)) == [[0, 1, 5], [2, 3, 4, 6, 7]]
     assert index(batching.group_chunks(episodes, 1000, overhead=100)) == [list(range(8))]
@@ -409,11 +458,14 @@ def test_greedy_continuations_whatever_the_batching(model, monkeypatch):
     rows, budgets = [0, 0, 1, 2, 1, 2], [12, 4, 12, 8, 10, 12]
     outs = []
     for max_tokens, overhead in ((1, 0), (120, 10 ** 6), (300, 10 ** 6), (10 ** 6, 10 ** 6)):
-        monkeypatch.setattr(batching, "batch_overhead", lambda _: overhead)  # a batch per state ... one of all
+        # a batch per state ... one of all
+        monkeypatch.setattr(batching, "batch_overhead", lambda _: overhead)
         greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0,
                                   max_batch_tokens=max_tokens)
-        cuts = batching.least_padding(list(map(len, prefixes)), budgets, [2] * 6, max_tokens, overhead)
-        outs.append((len(cuts), rollout.sample(model, prefixes, 2, budgets, greedy, cache=cache, rows=rows)))
+        cuts = batching.least_padding(list(map(len, prefixes)), budgets, [2] * 6, max_tokens,
+                                      overhead)
+        outs.append((len(cuts), rollout.continue_from_cache(model, prefixes, 2, budgets, greedy,
+                                                            cache=cache, rows=rows)))
     assert [n for n, _ in outs] == [6, 4, 2, 1] and all(out == outs[0][1] for _, out in outs)
 
 
@@ -438,18 +490,21 @@ def test_mc_estimate_matches_the_exact_value_by_enumeration():
     """A tiny policy (6 tokens, at most 3 new ones) where a state's true value can be enumerated:
     the mean reward of sampled continuations, plain and forked, matches it within 4 s.e."""
     torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, initializer_range=0.5, max_position_embeddings=32, eos_token_id=2)
+    config = LlamaConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, initializer_range=0.5,
+                         max_position_embeddings=32, eos_token_id=2)
     m = LlamaForCausalLM(config).eval()
     temperature, eos, budget = 0.6, 2, 3
-    reward = lambda cont, done: float(3 in cont) * (1.0 if done else 0.5)  # any function of the outcome
+    # any function of the outcome
+    reward = lambda cont, done: float(3 in cont) * (1.0 if done else 0.5)
 
     @torch.no_grad()
     def exact(prefix, new, depth):  # sum over every continuation of p(continuation) * reward
         if depth == 0:
             return reward(new, False)  # out of budget: unfinished
         p = torch.softmax(m(torch.tensor([prefix + new])).logits[0, -1].double() / temperature, -1)
-        return sum(p[t].item() * (reward(new, True) if t == eos else exact(prefix, new + [t], depth - 1))
+        return sum(p[t].item() * (reward(new, True) if t == eos
+                                  else exact(prefix, new + [t], depth - 1))
                    for t in range(6))
 
     state, longer = [1, 4, 5, 0], [1, 4, 5, 0, 3, 3, 4]
@@ -458,12 +513,18 @@ def test_mc_estimate_matches_the_exact_value_by_enumeration():
     ids, mask = rollout.pad_right([longer, [1, 5]], 0)
     _, cache = rollout.token_logprobs(m, ids, mask, temperature, keep_cache=True)
     n = 4000
-    for kw in ({}, {"cache": cache, "rows": [0]}):  # re-encoded, and forked from a longer sequence
-        sampling = rollout.Sampling(temperature=temperature, top_p=1.0, max_new_tokens=budget, eos_id=eos,
-                                    pad_id=0)
-        conts, done = rollout.sample(m, [state], n, [budget], sampling, **kw)
+    # re-encoded, and forked from a longer sequence
+    for forked in (False, True):
+        sampling = rollout.Sampling(temperature=temperature, top_p=1.0, max_new_tokens=budget,
+                                    eos_id=eos, pad_id=0)
+        if forked:
+            conts, done = rollout.continue_from_cache(m, [state], n, [budget], sampling,
+                                                      cache=cache, rows=[0])
+        else:
+            conts, done = rollout.sample(m, [state], n, [budget], sampling)
         estimate = sum(reward(c, d) for c, d in zip(conts[0], done[0])) / n
-        assert abs(estimate - truth) < 4 * math.sqrt(truth * (1 - truth) / n)  # rewards in [0, 1]: var <= v(1-v)
+        # rewards in [0, 1]: var <= v(1-v)
+        assert abs(estimate - truth) < 4 * math.sqrt(truth * (1 - truth) / n)
 
 
 # ---- PPO ----------------------------------------------------------------------------------
@@ -487,7 +548,8 @@ def test_ppo_loss_skips_exploded_batch_and_kl_clamp():
     logp, old = torch.zeros(1, 2), torch.full((1, 2), -5.0)  # ratio e^5 > 10
     loss, st = ppo.ppo_loss(logp, old, old, torch.ones(1, 2), torch.ones(1, 2))
     assert st["skipped"] == 1.0 and loss.item() == 0.0
-    kl_only, _ = ppo.ppo_loss(logp, logp, torch.full((1, 2), 30.0), torch.zeros(1, 2), torch.ones(1, 2), kl_coef=1.0)
+    kl_only, _ = ppo.ppo_loss(logp, logp, torch.full((1, 2), 30.0), torch.zeros(1, 2),
+                              torch.ones(1, 2), kl_coef=1.0)
     assert kl_only.item() == pytest.approx(20.0)  # each token's k3 clamped to 10, summed
 
 
@@ -495,7 +557,8 @@ def test_masked_whiten():
     x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     w = ppo.masked_whiten(x, mask)
-    assert w[0, :3].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)  # unbiased std of 1,2,3 is 1
+    # unbiased std of 1,2,3 is 1
+    assert w[0, :3].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)
     assert w[0, 3].item() == 0.0
 
 
@@ -504,7 +567,8 @@ def test_masked_whiten_with_global_statistics():
     all_reduce here adds what the other process would contribute, hand-computed."""
     x = torch.tensor([[1.0, 5.0, 0.0], [3.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    other = [torch.tensor([7.0 + 8.0, 2.0]), torch.tensor((7.0 - 4.8) ** 2 + (8.0 - 4.8) ** 2)]  # the half [7, 8]
+    # the half [7, 8]
+    other = [torch.tensor([7.0 + 8.0, 2.0]), torch.tensor((7.0 - 4.8) ** 2 + (8.0 - 4.8) ** 2)]
     calls = iter(other)
     w = ppo.masked_whiten(x, mask, all_reduce=lambda t: t + next(calls))
     # all five: 1, 5, 3, 7, 8 -> mean 4.8, unbiased variance 8.2
@@ -515,10 +579,12 @@ def test_masked_whiten_with_global_statistics():
 
 def test_merge_metrics_of_several_processes():
     import parallel
-    rows = [({"episodes": 8, "mc_states": 10}, {"train_reward": 0.5, "lr": 1e-5}, {"time_mc_values": 2.0, "seconds": 5.0}),
-            ({"episodes": 8, "mc_states": 14}, {"train_reward": 0.75, "lr": 1e-5}, {"time_mc_values": 3.0, "seconds": 4.0})]
-    assert parallel.merge_metrics(rows) == {"episodes": 16, "mc_states": 24, "train_reward": 0.625, "lr": 1e-5,
-                                            "time_mc_values": 3.0, "seconds": 5.0}
+    rows = [({"episodes": 8, "mc_states": 10}, {"train_reward": 0.5, "lr": 1e-5},
+             {"time_mc_values": 2.0, "seconds": 5.0}),
+            ({"episodes": 8, "mc_states": 14}, {"train_reward": 0.75, "lr": 1e-5},
+             {"time_mc_values": 3.0, "seconds": 4.0})]
+    assert parallel.merge_metrics(rows) == {"episodes": 16, "mc_states": 24, "train_reward": 0.625,
+                                            "lr": 1e-5, "time_mc_values": 3.0, "seconds": 5.0}
     assert parallel.merge_metrics(rows[:1]) == {**rows[0][0], **rows[0][1], **rows[0][2]}
 
 
@@ -560,15 +626,19 @@ def test_gae_matches_naive_loop_and_closed_form():
         for i, n in enumerate([6, 4, 2]):
             expected = naive_gae(rewards[i, :n].tolist(), values[i, :n].tolist(), gamma, lam)
             assert adv[i, :n].tolist() == pytest.approx(expected, abs=1e-6)
-            assert adv[i, n:].abs().sum() == 0 and ret[i, :n].tolist() == pytest.approx((adv + values)[i, :n].tolist())
+            assert (adv[i, n:].abs().sum() == 0
+                    and ret[i, :n].tolist() == pytest.approx((adv + values)[i, :n].tolist()))
     adv, ret = ppo.gae(rewards[1:], values[1:], mask[1:], 1.0, 1.0)  # sparse reward: A_t = R - V_t
     assert adv[0, :4].tolist() == pytest.approx((0.0 - values[1, :4]).tolist())
-    assert adv[1, :2].tolist() == pytest.approx((1.0 - values[2, :2]).tolist()) and ret[1, :2].tolist() == [1.0, 1.0]
+    assert (adv[1, :2].tolist() == pytest.approx((1.0 - values[2, :2]).tolist())
+            and ret[1, :2].tolist() == [1.0, 1.0])
 
 
 def test_group_advantages_hand_example():
-    adv = ppo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), torch.tensor([0, 0, 0, 0, 1, 1]))
-    assert adv.tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0, 0.0, 0.0], abs=1e-5)  # std 0.5 in group 0
+    adv = ppo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]),
+                               torch.tensor([0, 0, 0, 0, 1, 1]))
+    # std 0.5 in group 0
+    assert adv.tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0, 0.0, 0.0], abs=1e-5)
 
 
 def test_explained_variance():
@@ -627,7 +697,8 @@ def test_optimizer_step_skips_nonfinite_gradients():
     assert ppo.optimizer_step(model, optim, sched) is None
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     (model(torch.tensor([[3.0, 4.0]])).sum() * 10).backward()
-    assert ppo.optimizer_step(model, optim, sched, max_norm=1.0) == pytest.approx(10 * math.sqrt(26))
+    assert (ppo.optimizer_step(model, optim, sched, max_norm=1.0)
+            == pytest.approx(10 * math.sqrt(26)))
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
@@ -638,10 +709,12 @@ def test_lr_schedule():
     assert ppo.lr_factor(100, 100, 10) == 0.0
 
 
-@pytest.mark.parametrize("warmup, expected", [(0, [1.0, 0.75, 0.5, 0.25]), (1, [0.0, 1.0, 2 / 3, 1 / 3]),
+@pytest.mark.parametrize("warmup, expected", [(0, [1.0, 0.75, 0.5, 0.25]),
+                                              (1, [0.0, 1.0, 2 / 3, 1 / 3]),
                                               (2, [0.0, 1.0, 1.0, 0.5])])
 def test_lr_schedule_short_warmups(warmup, expected):
-    """A warm-up of 0, 1 or 2 steps (the demo's --iterations 3 or 4 round 3% to one step): no 0/0."""
+    """A warm-up of 0, 1 or 2 steps (the demo's --iterations 3 or 4 round 3% to one step): no
+    0/0."""
     assert [ppo.lr_factor(step, 4, warmup) for step in range(4)] == pytest.approx(expected)
 
 
@@ -654,53 +727,65 @@ def tiny_llama(dropout=0.0, seed=0):
 
 
 def scored_episodes(model, rewards_by_group, lengths):
-    """Episodes with random responses of the given lengths, old = ref log-probs of `model` (ratio 1)."""
+    """Episodes with random responses of the given lengths, old = ref log-probs of `model` (ratio
+    1)."""
     eps, g = [], torch.Generator().manual_seed(3)
     for group, (rewards, lens) in enumerate(zip(rewards_by_group, lengths)):
         for r, n in zip(rewards, lens):
-            eps.append(rollout.Episode([1, 5], torch.randint(3, 20, (n,), generator=g).tolist(), "", group, True, r))
+            eps.append(rollout.Episode([1, 5], torch.randint(3, 20, (n,), generator=g).tolist(), "",
+                                       group, True, r))
     for ep in eps:
         ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids], 0)
         with torch.no_grad():
-            ep.old_logp = ep.ref_logp = rollout.per_response(rollout.token_logprobs(model, ids, mask, 1.0)[0], [ep])[0]
+            ep.old_logp = ep.ref_logp = rollout.per_response(
+                rollout.token_logprobs(model, ids, mask, 1.0)[0], [ep])[0]
     return eps
 
 
 def run_update(model, eps, whiten):
     learner = ppo.Learner(model, 1e-2, 10, 0, False, "cpu")
-    return ppo.ppo_update(eps, learner, None, epochs=1, minibatch=len(eps), micro_batch=len(eps),
-                          temperature=1.0, clip=0.2, kl_coef=0.0, value_clip=0.2, move_policy=True,
-                          whiten=whiten, pad_id=0, device="cpu", autocast=contextlib.nullcontext())
+    hp = ppo.PPOSettings(epochs=1, minibatch=len(eps), micro_batch=len(eps), temperature=1.0,
+                         clip=0.2, kl_coef=0.0, value_clip=0.2, whiten=whiten)
+    return ppo.ppo_update(eps, learner, None, hp, move_policy=True, pad_id=0, device="cpu",
+                          autocast=contextlib.nullcontext())
 
 
 def test_grpo_zero_variance_group_gets_zero_advantage_and_gradient(monkeypatch):
-    """GRPO's group-normalised advantage is used as GRPO defines it: no second, token-level centring,
-    which would push a group whose answers were all right (advantage 0) by the others' lengths."""
+    """GRPO's group-normalised advantage is used as GRPO defines it: no second, token-level
+    centring, which would push a group whose answers were all right (advantage 0) by the others'
+    lengths."""
     model = tiny_llama()
     eps = scored_episodes(model, [[1.0, 1.0], [1.0, 0.0]], [[3, 3], [2, 6]])
     ppo.assign_advantages("grpo", eps, 1.0, 1.0, 1.0)
     assert [ep.advantages[0].item() for ep in eps] == pytest.approx([0, 0, 1, -1], abs=1e-5)
     seen, loss = [], ppo.ppo_loss
-    monkeypatch.setattr(ppo, "ppo_loss", lambda logp, old, ref, adv, act, *a, **kw: seen.append((adv, act)) or
+    monkeypatch.setattr(ppo, "ppo_loss",
+                        lambda logp, old, ref, adv, act, *a, **kw: seen.append((adv, act)) or
                         loss(logp, old, ref, adv, act, *a, **kw))
     for whiten, group_a_is_zero in [(False, True), (True, False)]:
         seen.clear()
         run_update(copy.deepcopy(model), eps, whiten)
-        adv, act = seen[0]  # rows in shuffled order; the all-correct group's responses are the 3-token ones
-        zero = all(adv[i][act[i] > 0].abs().max() < 1e-6 for i in range(len(eps)) if act[i].sum() == 3)
+        # rows in shuffled order; the all-correct group's responses are the 3-token ones
+        adv, act = seen[0]
+        zero = all(adv[i][act[i] > 0].abs().max() < 1e-6 for i in range(len(eps))
+                   if act[i].sum() == 3)
         assert zero == group_a_is_zero
     before = [p.detach().clone() for p in model.parameters()]
-    stats = run_update(model, eps[:2], whiten=False)  # only the all-correct group: no gradient at all
-    assert stats["grad_norm"] == 0.0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # only the all-correct group: no gradient at all
+    stats = run_update(model, eps[:2], whiten=False)
+    assert (stats["grad_norm"] == 0.0
+            and all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
 
 
 SPLIT_LENGTHS = [[2, 7, 3], [5, 1, 4]]  # one minibatch of six responses; halves of 12 and 10 tokens
 
 
 def split_episodes():
-    """Six episodes of different lengths, old and reference log-probs off the policy's (ratios clip, the KL
-    is not 0), random advantages, critic values and returns: one minibatch for PPO and a critic."""
-    eps, g = scored_episodes(tiny_llama(), [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]], SPLIT_LENGTHS), torch.Generator()
+    """Six episodes of different lengths, old and reference log-probs off the policy's (ratios clip,
+    the KL is not 0), random advantages, critic values and returns: one minibatch for PPO and a
+    critic."""
+    eps, g = (scored_episodes(tiny_llama(), [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]], SPLIT_LENGTHS),
+              torch.Generator())
     g.manual_seed(5)
     for ep in eps:
         n = len(ep.response_ids)
@@ -712,10 +797,11 @@ def split_episodes():
 
 
 def minibatch_gradients(eps, head, micro_batch):
-    """One step of the policy and a critic on eps as one minibatch (under torchrun: this process's share):
-    ([the policy's gradient, the critic's], ppo_update's statistics)."""
+    """One step of the policy and a critic on eps as one minibatch (under torchrun: this process's
+    share): ([the policy's gradient, the critic's], ppo_update's statistics)."""
     policy = ppo.Learner(tiny_llama(), 1e-3, 10, 0, False, torch.device("cpu"))
-    critic = ppo.Learner(value.Critic(tiny_llama(seed=1).model, head), 1e-3, 10, 0, False, torch.device("cpu"))
+    critic = ppo.Learner(value.Critic(tiny_llama(seed=1).model, head), 1e-3, 10, 0, False,
+                         torch.device("cpu"))
     grads, step = [], ppo.optimizer_step
 
     def capture(model, *args, **kwargs):  # the gradient the optimizer is about to step with
@@ -724,10 +810,10 @@ def minibatch_gradients(eps, head, micro_batch):
 
     ppo.optimizer_step = capture
     try:
-        stats = ppo.ppo_update(eps, policy, critic, epochs=1, minibatch=len(eps), micro_batch=micro_batch,
-                               temperature=1.0, clip=0.2, kl_coef=0.1, value_clip=0.2, move_policy=True,
-                               whiten=True, pad_id=0, device=torch.device("cpu"),
-                               autocast=contextlib.nullcontext())
+        hp = ppo.PPOSettings(epochs=1, minibatch=len(eps), micro_batch=micro_batch,
+                             temperature=1.0, clip=0.2, kl_coef=0.1, value_clip=0.2, whiten=True)
+        stats = ppo.ppo_update(eps, policy, critic, hp, move_policy=True, pad_id=0,
+                               device=torch.device("cpu"), autocast=contextlib.nullcontext())
     finally:
         ppo.optimizer_step = step
     return grads, stats
@@ -744,30 +830,38 @@ def assert_same_update(a, b):
 
 @pytest.mark.parametrize("head", value.HEADS)
 def test_minibatch_gradient_and_losses_do_not_depend_on_the_micro_batch(head):
-    """Every loss is a mean over the whole minibatch's tokens (the BCE heads': states), so micro-batches of
-    1 and 3 responses of different lengths step with the gradient of the whole minibatch, and log its losses."""
+    """Every loss is a mean over the whole minibatch's tokens (the BCE heads': states), so
+    micro-batches of 1 and 3 responses of different lengths step with the gradient of the whole
+    minibatch, and log its losses."""
     eps = split_episodes()
     whole = minibatch_gradients(eps, head, micro_batch=6)
     for micro_batch in (1, 3):
         assert_same_update(minibatch_gradients(eps, head, micro_batch), whole)
 
 
+@pytest.mark.slow
 def test_minibatch_gradient_and_losses_do_not_depend_on_the_processes(tmp_path):
-    """torchrun --nproc_per_node 2 (gloo): each process takes half of the minibatch (12 and 10 tokens) in
-    micro-batches of 2 and 1; the averaged gradient and the logged losses are one process's on all six. A
-    non-finite loss on one process skips the step on both and is counted once."""
+    """torchrun --nproc_per_node 2 (gloo): each process takes half of the minibatch (12 and 10
+    tokens) in micro-batches of 2 and 1; the averaged gradient and the logged losses are one
+    process's on all six. A non-finite loss on one process skips the step on both and is counted
+    once."""
     script = tmp_path / "split.py"
-    script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\nimport parallel, test_vine\n"
+    script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\n"
+                      "import parallel, test_vine\n"
                       "rank, world, _ = parallel.init(torch.device('cpu'))\n"
                       "mine = test_vine.split_episodes()[3 * rank: 3 * rank + 3]\n"
-                      "out = {head: test_vine.minibatch_gradients(mine, head, 2) for head in ('scalar', 'tracking', 'bce')}\n"
+                      "out = {head: test_vine.minibatch_gradients(mine, head, 2)"
+                      " for head in ('scalar', 'tracking', 'bce')}\n"
                       "if rank == 1:\n    mine[0].old_logp[0] = float('nan')\n"
-                      "counts = parallel.gather(test_vine.minibatch_gradients(mine, 'scalar', 2)[1]['nonfinite_skips'])\n"
-                      f"if rank == 0:\n    torch.save((out, counts), {str(tmp_path / 'split.pt')!r})\n"
+                      "counts = parallel.gather("
+                      "test_vine.minibatch_gradients(mine, 'scalar', 2)[1]['nonfinite_skips'])\n"
+                      "if rank == 0:\n"
+                      f"    torch.save((out, counts), {str(tmp_path / 'split.pt')!r})\n"
                       "parallel.close()\n")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(script)], cwd=HERE, env={**OFFLINE, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", str(script)], cwd=HERE,
+                       env={**OFFLINE, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out, counts = torch.load(tmp_path / "split.pt")
     eps = split_episodes()
@@ -803,7 +897,8 @@ def test_diagnostic_metrics_hand_examples():
             {"trajectory": 1, "step": 0, "n_steps": 1, "gt": 0.20, "est": 0.30}]
     s = diagnose.summarize(rows, "est")
     assert s["mae"] == pytest.approx((0.02 + 0.2 + 0.1 + 0.1) / 4) and s["within_0.05"] == 0.25
-    assert s["mae_early"] == pytest.approx(0.06) and s["mae_middle"] == pytest.approx(0.2) and s["mae_late"] == pytest.approx(0.1)
+    assert (s["mae_early"] == pytest.approx(0.06) and s["mae_middle"] == pytest.approx(0.2)
+            and s["mae_late"] == pytest.approx(0.1))
     # deltas within trajectory 0: gt (+0.2, +0.3), est (-0.02, +0.4): two points, correlation 1
     assert diagnose.delta_correlation(rows, "est") == pytest.approx(1.0)
 
@@ -820,7 +915,8 @@ def test_compare_seconds_budget(tmp_path, monkeypatch):
         def poll(self):
             with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
                 self.rows += 1
-                f.write(json.dumps({"iteration": self.rows, "seconds": 4.0, "eval_accuracy": 0.1}) + "\n")
+                f.write(json.dumps({"iteration": self.rows, "seconds": 4.0,
+                                    "eval_accuracy": 0.1}) + "\n")
             return self.returncode
 
         def terminate(self):
@@ -833,22 +929,27 @@ def test_compare_seconds_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(compare.subprocess, "Popen", Child)
     monkeypatch.setattr(compare.time, "sleep", lambda _: None)
     compare.run(str(tmp_path / "run"), seconds=10)
-    assert compare.training_seconds(str(tmp_path / "run")) == 12.0  # 4, 8, 12: stopped at the first >= 10
+    # 4, 8, 12: stopped at the first >= 10
+    assert compare.training_seconds(str(tmp_path / "run")) == 12.0
     assert os.path.exists(tmp_path / "run" / "finished")
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"iteration": 4, "seco')  # a row still being written is not counted
     assert compare.training_seconds(str(tmp_path / "run")) == 12.0
-    failing = type("Failing", (Child,), {"poll": lambda self: setattr(self, "returncode", 3) or 3})  # exit 3
+    # exit 3
+    failing = type("Failing", (Child,), {"poll": lambda self: setattr(self, "returncode", 3) or 3})
     monkeypatch.setattr(compare.subprocess, "Popen", failing)
     with pytest.raises(SystemExit) as stop:
         compare.run(str(tmp_path / "other"), seconds=10)
     assert stop.value.code == 3 and not os.path.exists(tmp_path / "other" / "finished")
-    a = [[(0, 0.0, 0.2), (1, 9.0, 0.4), (2, 18.0, 0.6), (3, 27.0, 0.7)], [(0, 0.0, 0.2), (1, 11.0, 0.5)]]
+    a = [[(0, 0.0, 0.2), (1, 9.0, 0.4), (2, 18.0, 0.6), (3, 27.0, 0.7)],
+         [(0, 0.0, 0.2), (1, 11.0, 0.5)]]
     b = [[(0, 0.0, 0.2), (1, 4.0, 0.3), (2, 8.0, 0.35), (3, 12.0, 0.4)]]
     summary = compare.summarize({"a": a, "b": b}, budget=10.0)
-    assert summary["a"]["at_budget"] == pytest.approx((0.3, 0.1)) and summary["a"]["lag"] == pytest.approx(1.0)
+    assert (summary["a"]["at_budget"] == pytest.approx((0.3, 0.1))
+            and summary["a"]["lag"] == pytest.approx(1.0))
     assert summary["b"]["at_budget"] == (0.35, 0.0) and summary["b"]["lag"] == pytest.approx(0.2)
-    assert summary["a"]["iterations"] == 2 and summary["b"]["iterations"] == 3  # the mean of the last
+    # the mean of the last
+    assert summary["a"]["iterations"] == 2 and summary["b"]["iterations"] == 3
     grid, mean, least, most = compare.on_grid(a, points=3)  # the shorter seed ends at 11 s
     assert grid == [0.0, 5.5, 11.0] and mean == pytest.approx([0.2, 0.2, 0.45])
     assert least == [0.2, 0.2, 0.4] and most == [0.2, 0.2, 0.5]
@@ -856,29 +957,36 @@ def test_compare_seconds_budget(tmp_path, monkeypatch):
 
 def test_arith_held_out_questions_are_never_training_questions():
     """For every --arith-steps (with and without traps): each split's questions are distinct and its
-    own by split_of, so none is in both; one chain step has 10 * 9 questions, all found, 1 in 5 held out."""
+    own by split_of, so none is in both; one chain step has 10 * 9 questions, all found, 1 in 5 held
+    out."""
     settings = [((lo, hi), None) for lo in range(1, 9) for hi in range(lo, 9)] + \
-        [((lo, hi), traps) for lo, hi in ((1, 1), (2, 3), (6, 8), (12, 16), (30, 40)) for traps in ((0, 2), (1, 3))]
+        [((lo, hi), traps) for lo, hi in ((1, 1), (2, 3), (6, 8), (12, 16), (30, 40))
+         for traps in ((0, 2), (1, 3))]
     for steps, traps in settings:
         train, test = ([p["question"] for p in arith_dataset(40, 0, steps, 0.5, traps, split)]
                        for split in ("train", "test"))
-        assert len(set(train)) == len(train) and len(set(test)) == len(test) and not set(train) & set(test)
+        assert (len(set(train)) == len(train) and len(set(test)) == len(test)
+                and not set(train) & set(test))
         assert {split_of(q) for q in train} <= {"train"} and {split_of(q) for q in test} <= {"test"}
-    every = [p["question"] for split in ("train", "test") for p in arith_dataset(2000, 0, (1, 1), split=split)]
+    every = [p["question"] for split in ("train", "test")
+             for p in arith_dataset(2000, 0, (1, 1), split=split)]
     assert len(set(every)) == 90 and sum(split_of(q) == "test" for q in every) == 15
 
 
 def test_short_chains_and_jsonl_without_eval_data_hold_out_a_split(tmp_path, capsys):
     assert len(load_problems("arith", "test", steps="1-1")) == 15
-    assert "--arith-steps 1-1: the held-out split has only 15 distinct questions" in capsys.readouterr().out
+    assert ("--arith-steps 1-1: the held-out split has only 15 distinct questions"
+            in capsys.readouterr().out)
     path = tmp_path / "mine.jsonl"
-    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(50)))
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n"
+                            for i in range(50)))
     train, test = (load_problems(str(path), split, hold_out=True) for split in ("train", "test"))
     assert "is held out for evaluation and not trained on" in capsys.readouterr().out
     assert sorted(p["question"] for p in train + test) == sorted(f"q{i}" for i in range(50))
     assert test and not {p["question"] for p in train} & {p["question"] for p in test}
     assert len(load_problems(str(path), "test")) == 50  # with --eval-data: the file as it is
-    path.write_text(json.dumps({"question": "q0", "answer": "#### 0"}) + "\n")  # q0 is a training question
+    # q0 is a training question
+    path.write_text(json.dumps({"question": "q0", "answer": "#### 0"}) + "\n")
     capsys.readouterr()
     with pytest.raises(DataError, match=r"its 1 problems \(1 distinct questions\) leave the test "
                                         "split empty .*; give --eval-data"):
@@ -887,9 +995,9 @@ def test_short_chains_and_jsonl_without_eval_data_hold_out_a_split(tmp_path, cap
 
 
 def test_trap_chains_err_exactly_as_designed():
-    """--arith-traps: the answer's lines are right modulo 10 and wrap (carry/borrow) in MIN-MAX of them;
-    the demonstration is right wherever its own line does not wrap, and where it does, one too high with
-    p = forget (all of them at 1, none at 0: the demonstration is then the answer)."""
+    """--arith-traps: the answer's lines are right modulo 10 and wrap (carry/borrow) in MIN-MAX of
+    them; the demonstration is right wherever its own line does not wrap, and where it does, one too
+    high with p = forget (all of them at 1, none at 0: the demonstration is then the answer)."""
     def parse(line):
         lhs, rhs = line.split("=")
         a, op, b = lhs.partition("+") if "+" in lhs else lhs.partition("-")
@@ -899,11 +1007,14 @@ def test_trap_chains_err_exactly_as_designed():
     for forget in (0.0, 0.7, 1.0):
         wrapping, wrong, counts = 0, 0, set()
         for p in arith_dataset(300, seed=5, steps=(6, 9), slip=forget, traps=(1, 3)):
-            answer, demo = ([parse(line) for line in text.split("\n")[:-1]] for text in (p["answer"], p["demonstration"]))
+            answer, demo = ([parse(line) for line in text.split("\n")[:-1]]
+                            for text in (p["answer"], p["demonstration"]))
             assert 6 <= len(answer) <= 9 and all(right == said for _, right, _, said in answer)
-            assert [a for a, *_ in answer[1:]] == [said for *_, said in answer[:-1]]  # each goes on from the last
+            # each goes on from the last
+            assert [a for a, *_ in answer[1:]] == [said for *_, said in answer[:-1]]
             counts.add(sum(wraps for _, _, wraps, _ in answer))
-            assert p["answer"].endswith(f"#### {answer[-1][3]}") and p["demonstration"].endswith(f"#### {demo[-1][3]}")
+            assert (p["answer"].endswith(f"#### {answer[-1][3]}")
+                    and p["demonstration"].endswith(f"#### {demo[-1][3]}"))
             for _, right, wraps, said in demo:
                 assert said == right if not wraps else said in (right, (right + 1) % 10)
                 wrapping, wrong = wrapping + wraps, wrong + (said != right)
@@ -921,41 +1032,53 @@ def test_compare_summary_hand_example(tmp_path, capsys):
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return compare.curve(str(tmp_path / name))
 
-    slow = [write(f"slow{s}", [{"iteration": 0, "eval_accuracy": 0.5}, {"iteration": 1, "seconds": 10.0},
-                               {"iteration": 2, "seconds": 10.0, "eval_accuracy": acc}]) for s, acc in ((0, .7), (1, .9))]
+    slow = [write(f"slow{s}",
+                  [{"iteration": 0, "eval_accuracy": 0.5}, {"iteration": 1, "seconds": 10.0},
+                   {"iteration": 2, "seconds": 10.0, "eval_accuracy": acc}])
+            for s, acc in ((0, .7), (1, .9))]
     fast = [write("fast0", [{"iteration": 0, "eval_accuracy": 0.5, "eval_greedy_accuracy": 0.4},
                             {"iteration": 1, "seconds": 5.0},
-                            {"iteration": 2, "seconds": 6.0, "eval_accuracy": 0.6, "eval_greedy_accuracy": 0.7}])]
-    assert compare.curve(str(tmp_path / "fast0"), "eval_greedy_accuracy") == [(0, 0.0, 0.4), (2, 11.0, 0.7)]
+                            {"iteration": 2, "seconds": 6.0, "eval_accuracy": 0.6,
+                             "eval_greedy_accuracy": 0.7}])]
+    assert (compare.curve(str(tmp_path / "fast0"), "eval_greedy_accuracy")
+            == [(0, 0.0, 0.4), (2, 11.0, 0.7)])
     assert slow[0] == [(0, 0.0, 0.5), (2, 20.0, 0.7)] and fast[0] == [(0, 0.0, 0.5), (2, 11.0, 0.6)]
     summary = compare.summarize({"slow": slow, "fast": fast})
     assert summary["slow"]["final"] == pytest.approx((0.8, 0.1))  # s.e. = stdev 0.1414 / sqrt(2)
     assert summary["slow"]["seconds"] == 20.0 and summary["slow"]["budget"] == 11.0
-    assert summary["slow"]["at_budget"] == pytest.approx((0.5, 0.0))  # by 11 s only its start was evaluated
+    # by 11 s only its start was evaluated
+    assert summary["slow"]["at_budget"] == pytest.approx((0.5, 0.0))
     assert summary["fast"]["at_budget"] == (0.6, 0.0)
     renamed = {"vineppo": summary["slow"], "grpo": summary["fast"]}
-    assert compare.lead(renamed, "vineppo", "grpo", "final") == pytest.approx((0.2, 0.1))  # sqrt(.1² + 0²)
+    # sqrt(.1² + 0²)
+    assert compare.lead(renamed, "vineppo", "grpo", "final") == pytest.approx((0.2, 0.1))
     assert compare.lead(renamed, "vineppo", "grpo", "at_budget") == pytest.approx((-0.1, 0.0))
-    assert [compare.verdict(m_se) for m_se in ((0.2, 0.1), (0.21, 0.1), (-0.21, 0.1), (-0.1, 0.0))] == \
-        ["within noise", "counts", "counts against", "counts against"]  # beyond twice the s.e., not at it
+    assert [compare.verdict(m_se)
+            for m_se in ((0.2, 0.1), (0.21, 0.1), (-0.21, 0.1), (-0.1, 0.0))] == \
+        ["within noise", "counts", "counts against",
+         "counts against"]  # beyond twice the s.e., not at it
     compare.report({"6-8": renamed, "10-12": renamed}, "greedy accuracy")
     out = capsys.readouterr().out
-    assert "vineppo's lead over grpo at equal iterations: 6-8: 0.200 ± 0.100 (within noise), 10-12: 0.200 " \
-        "± 0.100 (within noise); growth 0.000 ± 0.141 (within noise)" in out
+    assert "vineppo's lead over grpo at equal iterations: 6-8: 0.200 ± 0.100 (within noise), " \
+        "10-12: 0.200 ± 0.100 (within noise); growth 0.000 ± 0.141 (within noise)" in out
     # a variant of VinePPO (--variant): its lead over every method, VinePPO's over it once
     compare.report({"10-12": {**renamed, "vineppo-reuse": summary["fast"]}}, "greedy accuracy")
-    leads = [line.split(" at equal")[0] for line in capsys.readouterr().out.splitlines() if "lead" in line]
-    assert leads == ["greedy accuracy: vineppo's lead over grpo"] * 2 + ["greedy accuracy: vineppo's lead over "
-                     "vineppo-reuse"] * 2 + ["greedy accuracy: vineppo-reuse's lead over grpo"] * 2
+    leads = [line.split(" at equal")[0] for line in capsys.readouterr().out.splitlines()
+             if "lead" in line]
+    assert leads == (["greedy accuracy: vineppo's lead over grpo"] * 2
+                     + ["greedy accuracy: vineppo's lead over vineppo-reuse"] * 2
+                     + ["greedy accuracy: vineppo-reuse's lead over grpo"] * 2)
 
 
 # ---- data errors and end-to-end runs ------------------------------------------------------
 
 @pytest.mark.parametrize("content, message", [
-    ('{"question": "q", "answer": "a\\n#### 1"}\n{"question": "q"\n', r"bad.jsonl:2: not valid JSON"),
+    ('{"question": "q", "answer": "a\\n#### 1"}\n{"question": "q"\n',
+     r"bad.jsonl:2: not valid JSON"),
     ('{"question": "q", "answer": "no final number"}\n', r"bad.jsonl:1: 'answer' has no final"),
     ('{"answer": "#### 3"}\n', r"bad.jsonl:1: missing .* 'question'"),
-    ('{"question": "q", "answer": "x\\n#### seventy"}\n', r"bad.jsonl:1: 'answer' has no final '#### <number>'"),
+    ('{"question": "q", "answer": "x\\n#### seventy"}\n',
+     r"bad.jsonl:1: 'answer' has no final '#### <number>'"),
     ("\n\n", r"bad.jsonl: no problems found"),
 ])
 def test_jsonl_errors_name_file_and_line(tmp_path, content, message):
@@ -971,8 +1094,9 @@ def test_jsonl_with_a_byte_order_mark_is_read(tmp_path):
     assert read_jsonl(str(data)) == [{"question": "q", "answer": "a\n#### 1"}]
 
 
-ADVERSARIAL = ["", "####", "#### ", "#" * 10_000, "9" * 100_000 + "\n#### " + "9" * 100_000, "####" * 5000,
-               "#### \u0667\u0662", "#### \x00\x1b[31m72", "\ud800", "#### 7\u200b2", "#### ７２", "#### 72\r\n"]
+ADVERSARIAL = ["", "####", "#### ", "#" * 10_000, "9" * 100_000 + "\n#### " + "9" * 100_000,
+               "####" * 5000, "#### \u0667\u0662", "#### \x00\x1b[31m72", "\ud800", "#### 7\u200b2",
+               "#### ７２", "#### 72\r\n"]
 
 
 @given(st.text(), st.text())
@@ -992,29 +1116,35 @@ OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}  # no test needs a hub; an unkno
 
 
 def run_train(*args, cwd=HERE):
-    return subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], cwd=cwd, env=OFFLINE,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], cwd=cwd,
+                          env=OFFLINE, capture_output=True, text=True, timeout=600)
 
 
-SMALL = ["--iterations", "2", "--prompts-per-iter", "4", "--samples-per-prompt", "2", "--mc-rollouts", "2",
-         "--minibatch", "4", "--micro-batch", "2", "--max-new-tokens", "24", "--eval-problems", "4",
-         "--eval-samples", "1", "--eval-every", "1", "--save-every", "1", "--sft-steps", "3", "--sft-batch", "4"]
+SMALL = ["--iterations", "2", "--prompts-per-iter", "4", "--samples-per-prompt", "2",
+         "--mc-rollouts", "2", "--minibatch", "4", "--micro-batch", "2", "--max-new-tokens", "24",
+         "--eval-problems", "4", "--eval-samples", "1", "--eval-every", "1", "--save-every", "1",
+         "--sft-steps", "3", "--sft-batch", "4"]
 
 
+@pytest.mark.slow
 def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
     r = run_train("--out", str(tmp_path), *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1, 2]
-    for key in ("train_reward", "eval_accuracy", "eval_greedy_accuracy", "kl", "policy_loss", "clipfrac",
-                "approx_kl", "advantage_std", "tokens_generated", "seconds", *parallel.PHASES):
+    for key in ("train_reward", "eval_accuracy", "eval_greedy_accuracy", "kl", "policy_loss",
+                "clipfrac", "approx_kl", "advantage_std", "tokens_generated", "seconds",
+                *parallel.PHASES):
         assert key in rows[-1]
     assert rows[1]["mc_states"] > 0 and (tmp_path / "samples.jsonl").exists()
-    assert all(row["mc_continuations"] == 2 * row["mc_states"] for row in rows[1:])  # K = 2 per state
-    # time_save: the previous iteration's checkpoint (none before the first); seconds: training, evaluation aside
+    # K = 2 per state
+    assert all(row["mc_continuations"] == 2 * row["mc_states"] for row in rows[1:])
+    # time_save: the previous iteration's checkpoint (none before the first); seconds: training,
+    # evaluation aside
     assert rows[1]["time_save"] == 0.0 and rows[2]["time_save"] > 0 and rows[2]["time_eval"] > 0
     assert rows[2]["seconds"] == pytest.approx(sum(rows[2][phase] for phase in parallel.TRAINING))
-    # the settings that differ from the defaults, the demo's included, printed first; all in config.json
+    # the settings that differ from the defaults, the demo's included, printed first; all in
+    # config.json
     printed = r.stdout.split("settings (")[1].splitlines()[0]
     assert "--sft-steps 3 " in printed and "--lr 0.0001 " in printed and "--algo" not in printed
     assert json.loads((tmp_path / "config.json").read_text())["lr"] == train.DEMO["lr"]
@@ -1023,14 +1153,18 @@ def test_demo_smoke_run_writes_metrics_and_loadable_checkpoint(tmp_path):
     assert model.config.vocab_size == len(tok) and not (tmp_path / "checkpoint.tmp").exists()
 
 
+@pytest.mark.slow
 def test_adaptive_mc_with_reused_responses_runs(tmp_path):
-    r = run_train("--out", str(tmp_path), *SMALL, "--mc-max-rollouts", "6", "--mc-increment", "2", "--mc-reuse")
+    r = run_train("--out", str(tmp_path), *SMALL, "--mc-max-rollouts", "6", "--mc-increment", "2",
+                  "--mc-reuse")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][1:]
     for row in rows:  # 2 continuations per state first, then 4 more where they disagree
-        assert 2 * row["mc_states"] <= row["mc_continuations"] <= 6 * row["mc_states"] and row["mc_tokens"] > 0
+        assert (2 * row["mc_states"] <= row["mc_continuations"] <= 6 * row["mc_states"]
+                and row["mc_tokens"] > 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "tppo", "grpo"])
 def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
     warmup = ["--critic-warmup", "1", "--lam", "0.9"] if algo == "tppo" else []
@@ -1048,12 +1182,14 @@ def test_each_algo_runs_and_checkpoint_reloads(tmp_path, algo):
         assert critic.head_type == {"ppo": "scalar", "tppo": "tracking"}[algo]
 
 
-# two answers to one question: after a short SFT the policy writes either, so some rewards are 1 and some 0
-# on any machine's draws (on the arith task after 3 SFT steps every reward may be 0: VinePPO's advantages
-# all 0, and weights that did not move would be equal across processes for nothing)
+# two answers to one question: after a short SFT the policy writes either, so some rewards are 1 and
+# some 0 on any machine's draws (on the arith task after 3 SFT steps every reward may be 0:
+# VinePPO's advantages all 0, and weights that did not move would be equal across processes for
+# nothing)
 COIN_FLIP = [{"question": "Flip a coin.", "answer": f"1+{d - 1}={d}\n#### {d}"} for d in (1, 2) * 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, shard", [("vineppo", []), ("ppo", ["--fsdp"])])
 def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
     """torchrun --nproc_per_node 2 on CPU (gloo), SFT and 2 iterations, with DDP or FSDP: the SFT
@@ -1066,57 +1202,76 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
     script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\nimport train\n"
                       "import parallel\npolicy = train.main(train.parse_args(sys.argv[1:]))\n"
                       "weights = parallel.full_state_dict(policy)\n"  # FSDP: all shards gathered
-                      f"torch.save(weights, os.path.join({str(out)!r}, 'rank' + os.environ['RANK'] + '.pt'))\n"
+                      f"torch.save(weights, os.path.join({str(out)!r}, "
+                      "'rank' + os.environ['RANK'] + '.pt'))\n"
                       "parallel.close()\n")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(script), "--algo", algo, "--out", str(out), *SMALL, *task, *shard], cwd=HERE,
-                       env={**OFFLINE, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", str(script), "--algo", algo, "--out", str(out),
+                        *SMALL, *task, *shard], cwd=HERE,
+                       env={**OFFLINE, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    alone = run_train("--algo", algo, "--out", str(tmp_path / "alone"), *SMALL, *task, "--iterations", "0")
+    alone = run_train("--algo", algo, "--out", str(tmp_path / "alone"), *SMALL, *task,
+                      "--iterations", "0")
     assert alone.returncode == 0, alone.stderr[-3000:]
     sft_alone = AutoModelForCausalLM.from_pretrained(tmp_path / "alone" / "reference").state_dict()
     sft_split = AutoModelForCausalLM.from_pretrained(out / "reference").state_dict()
-    assert all(torch.allclose(sft_alone[k], sft_split[k], atol=1e-6) for k in sft_alone)  # SFT split over processes = SFT alone
+    # SFT split over processes = SFT alone
+    assert all(torch.allclose(sft_alone[k], sft_split[k], atol=1e-6) for k in sft_alone)
     w0, w1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
     saved = AutoModelForCausalLM.from_pretrained(out / "checkpoint").state_dict()
-    start = AutoModelForCausalLM.from_pretrained(out / "reference").state_dict()  # after SFT, before RL
-    assert all(torch.equal(w0[k], saved[k]) for k in saved) and any(not torch.equal(w0[k], start[k]) for k in start)
+    # after SFT, before RL
+    start = AutoModelForCausalLM.from_pretrained(out / "reference").state_dict()
+    assert (all(torch.equal(w0[k], saved[k]) for k in saved)
+            and any(not torch.equal(w0[k], start[k]) for k in start))
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [row["iteration"] for row in rows] == [0, 1, 2]
     for row in rows[1:]:  # 4 prompts x 2 samples per iteration, split 2 + 2 over the processes
         assert row["prompts"] == 4 and row["episodes"] == 8 and "eval_accuracy" in row
-    assert any(0 < row["train_reward"] < 1 for row in rows[1:])  # the coin flip's point: a learning signal
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        os.path.join(HERE, "train.py"), "--algo", algo, "--out", str(out), *SMALL, *task, *shard,
-                        "--iterations", "3", "--resume"], cwd=HERE, env={**OFFLINE, "OMP_NUM_THREADS": "1"},
+    # the coin flip's point: a learning signal
+    assert any(0 < row["train_reward"] < 1 for row in rows[1:])
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", os.path.join(HERE, "train.py"), "--algo", algo,
+                        "--out", str(out), *SMALL, *task, *shard, "--iterations", "3", "--resume"],
+                       cwd=HERE, env={**OFFLINE, "OMP_NUM_THREADS": "1"},
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]  # optimizer states (FSDP: gathered, then re-sharded) and RNG reloaded
+    # optimizer states (FSDP: gathered, then re-sharded) and RNG reloaded
+    assert r.returncode == 0, r.stderr[-3000:]
     assert [json.loads(line)["iteration"] for line in open(out / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["vineppo", "ppo"])
 def test_gradient_checkpointing_runs(tmp_path, algo):
     """--gradient-checkpointing reaches the policy, the critic still trains (ppo), and the MC forks
-    of the second iteration, sampled while the policy is in training mode, still get their KV cache."""
-    cfg = train.parse_args(["--algo", algo, "--out", str(tmp_path), *SMALL, "--gradient-checkpointing"])
+    of the second iteration, sampled while the policy is in training mode, still get their KV
+    cache."""
+    cfg = train.parse_args(["--algo", algo, "--out", str(tmp_path), *SMALL,
+                            "--gradient-checkpointing"])
     policy = train.main(cfg)
     assert policy.is_activation_checkpointing
     with open(tmp_path / "metrics.jsonl") as f:
         last = [json.loads(line) for line in f][-1]
-    assert last["iteration"] == 2 and (last["mc_states"] > 0 if algo == "vineppo" else "value_loss" in last)
+    assert (last["iteration"] == 2
+            and (last["mc_states"] > 0 if algo == "vineppo" else "value_loss" in last))
 
 
+@pytest.mark.slow
 def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):
-    """The paper's code path (a from_pretrained model, GSM8K-format data, paper defaults) on a tiny model."""
+    """The paper's code path (a from_pretrained model, GSM8K-format data, paper defaults) on a tiny
+    model."""
     checkpoint.build_tiny_model(str(tmp_path / "model"), seed=0)
     data = tmp_path / "gsm8k_fixture.jsonl"
-    problems = [{"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
-                 "answer": "She sold 48/2 = <<48/2=24>>24 in May.\nIn all 48+24 = <<48+24=72>>72.\n#### 72"},
+    problems = [{"question": "Natalia sold 48 clips in April and half as many in May. "
+                             "How many in all?",
+                 "answer": "She sold 48/2 = <<48/2=24>>24 in May.\n"
+                           "In all 48+24 = <<48+24=72>>72.\n#### 72"},
                 {"question": "Weng earns $12 an hour. She worked 2 hours. How much did she earn?",
                  "answer": "She earned 12*2 = <<12*2=24>>24.\n#### 24"}] * 3
     data.write_text("".join(json.dumps(p) + "\n" for p in problems))
-    # two distinct questions are too few to hold one out: the held-out set is given (here, the same file)
+    # two distinct questions are too few to hold one out:
+    # the held-out set is given (here, the same file)
     r = run_train("--model", str(tmp_path / "model"), "--data", str(data), "--eval-data", str(data),
                   "--out", str(tmp_path / "out"), *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -1128,9 +1283,11 @@ TIMING = ("seconds", *parallel.PHASES)
 
 
 def numbers(out):
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in open(out / "metrics.jsonl")]
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in open(out / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_numbers(tmp_path):
     """SIGKILL at an arbitrary moment after the first iteration, then --resume: the metrics
     equal an uninterrupted run's, with no iteration repeated or skipped."""
@@ -1138,11 +1295,13 @@ def test_killed_run_resumes_to_the_same_numbers(tmp_path):
     full = run_train("--out", str(tmp_path / "full"), *args)
     assert full.returncode == 0, full.stderr[-3000:]
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", str(out), *args],
-                            cwd=HERE, env=OFFLINE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--out", str(out),
+                             *args], cwd=HERE, env=OFFLINE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").exists() and '"iteration": 1' in (out / "metrics.jsonl").read_text():
+        if ((out / "metrics.jsonl").exists()
+                and '"iteration": 1' in (out / "metrics.jsonl").read_text()):
             break
         time.sleep(0.02)
     proc.kill()
@@ -1155,11 +1314,13 @@ def test_killed_run_resumes_to_the_same_numbers(tmp_path):
     assert wrong.returncode == 2 and "written with --algo 'vineppo', not 'grpo'" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_first_rl_step_starts_from_a_clean_gradient(tmp_path, monkeypatch):
-    """Advantages all 0 (GRPO's, zeroed here: a group of one, which --samples-per-prompt refuses, has them)
-    and no KL term: the first iteration's gradient must be exactly zero (the last SFT gradient must not leak
-    into the first PPO step)."""
-    monkeypatch.setattr(ppo, "group_advantages", lambda rewards, group, eps=1e-6: torch.zeros_like(rewards))
+    """Advantages all 0 (GRPO's, zeroed here: a group of one, which --samples-per-prompt refuses,
+    has them) and no KL term: the first iteration's gradient must be exactly zero (the last SFT
+    gradient must not leak into the first PPO step)."""
+    monkeypatch.setattr(ppo, "group_advantages",
+                        lambda rewards, group, eps=1e-6: torch.zeros_like(rewards))
     train.main(train.parse_args(["--algo", "grpo", "--out", str(tmp_path), *SMALL, "--kl-coef", "0",
                                  "--iterations", "1"]))
     assert numbers(tmp_path)[1]["grad_norm"] == 0.0
@@ -1201,9 +1362,12 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
     (["--arith-steps", "2-9"], "--arith-steps 2-9: at most 8 steps without --arith-traps"),
     (["--arith-traps", "3"], "--arith-traps '3': expected '' or MIN-MAX, 0 <= MIN <= MAX"),
     (["--kl-coef", "-1"], "--kl-coef -1.0: expected >= 0"),
-    (["--value-head", "scalar"], "--value-head 'scalar': only ppo and tppo have a critic, not vineppo"),
-    (["--value-head", "tracking", "--algo", "grpo"], "--value-head 'tracking': only ppo and tppo have a critic"),
-    (["--value-head", "mlp", "--algo", "ppo"], "--value-head 'mlp': expected one of scalar, tracking, bce"),
+    (["--value-head", "scalar"],
+     "--value-head 'scalar': only ppo and tppo have a critic, not vineppo"),
+    (["--value-head", "tracking", "--algo", "grpo"],
+     "--value-head 'tracking': only ppo and tppo have a critic"),
+    (["--value-head", "mlp", "--algo", "ppo"],
+     "--value-head 'mlp': expected one of scalar, tracking, bce"),
     (["--algo", "a2c"], "--algo 'a2c': expected one of vineppo, ppo, tppo, grpo"),
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
     (["--mc-max-rollouts", "3"], "--mc-max-rollouts 3: below --mc-rollouts 4 (round 1)"),
@@ -1212,29 +1376,35 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
     (["--mc-ci-width", "0"], "--mc-ci-width 0.0: expected > 0"),
 ])
 def test_bad_setting_gives_one_line_error(capsys, args, message):
-    """Every setting is checked once, right after parsing: exit status 2 and one line, no traceback."""
+    """Every setting is checked once, right after parsing: exit status 2 and one line, no
+    traceback."""
     with pytest.raises(SystemExit) as stop:
         train.parse_args(args)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
-    (["--data", "nope"], "--data 'nope': expected 'arith', 'gsm8k', 'math' or a path ending in .jsonl"),
+    (["--data", "nope"],
+     "--data 'nope': expected 'arith', 'gsm8k', 'math' or a path ending in .jsonl"),
     (["--data", "missing.jsonl"], "missing.jsonl: cannot read"),
     (["--model", "no/such-model-here"], "--model 'no/such-model-here': cannot load it"),
     (["--model", "./no-such-dir"], "--model './no-such-dir': no such directory"),
     (["--out", "/dev/null/out"], "--out '/dev/null/out': not writable"),
     (["--device", "cuda"], "--device cuda: no CUDA device is available here"),
-    (["--max-prompt-tokens", "5"], "--max-prompt-tokens 5: every training problem's prompt is longer"),
+    (["--max-prompt-tokens", "5"],
+     "--max-prompt-tokens 5: every training problem's prompt is longer"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, args, message):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     r = run_train("--out", str(tmp_path / "out"), *SMALL, *args)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (r.returncode == 2 and message in r.stderr
+            and "Traceback" not in r.stderr), r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_no_run_destroys_another_runs_results(tmp_path):
     """A second run into the same --out is refused unless it resumes or overwrites; a resume never
     starts over on top of results, names a setting it cannot change, survives a torn metrics line,
@@ -1242,13 +1412,15 @@ def test_no_run_destroys_another_runs_results(tmp_path):
     out, small = str(tmp_path), [*SMALL, "--save-every", "1"]
     assert run_train("--out", out, *small, "--iterations", "0").returncode == 0
     again = run_train("--out", out, *small, "--iterations", "0")
-    assert again.returncode == 2 and "holds an earlier run" in again.stderr and "--overwrite" in again.stderr
+    assert (again.returncode == 2 and "holds an earlier run" in again.stderr
+            and "--overwrite" in again.stderr)
     assert run_train("--out", out, *small, "--iterations", "1", "--resume").returncode == 0
     assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1]  # iteration 0 logged once
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"iteration": 2, "train_rew')  # a kill in the middle of a write
     longer = run_train("--out", out, *small, "--iterations", "2", "--resume")
-    assert longer.returncode == 0 and "LR schedule is stretched to end at iteration 2" in longer.stdout
+    assert (longer.returncode == 0
+            and "LR schedule is stretched to end at iteration 2" in longer.stdout)
     assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1, 2]
     done = run_train("--out", out, *small, "--iterations", "1", "--resume")
     assert done.returncode == 0 and "nothing to train" in done.stderr + done.stdout
@@ -1262,11 +1434,12 @@ def test_no_run_destroys_another_runs_results(tmp_path):
     missing = run_train("--out", out, *small, "--iterations", "3", "--resume")
     assert missing.returncode == 2 and "checkpoint has no trainer_state.pt" in missing.stderr
     assert [row["iteration"] for row in numbers(tmp_path)] == [0, 1, 2]  # nothing wiped
-    fresh = run_train("--out", out, *small, "--iterations", "1", "--overwrite", "--eval-every", "0", "--save-every", "0")
+    fresh = run_train("--out", out, *small, "--iterations", "1", "--overwrite", "--eval-every", "0",
+                      "--save-every", "0")
     assert fresh.returncode == 0 and [row["iteration"] for row in numbers(tmp_path)] == [0, 1]
 
 
-# ---- the sampler's settings, the stop string at a prefix's end (rollout.generate, finish) -----
+# ---- the sampler's settings, the stop string at a prefix's end (generation.generate, finish) -----
 
 def test_sampling_sets_the_models_own_generation_settings_aside(model, capsys):
     """A generation_config that sets what `generate` would otherwise take from it changes no token.
@@ -1286,16 +1459,16 @@ def test_sampling_sets_the_models_own_generation_settings_aside(model, capsys):
         for m in (model, own):
             torch.manual_seed(5)
             runs.append((rollout.sample(m, prefixes, 3, [8, 8], sampling),
-                         rollout.fresh_decode(m, prefixes, 2, 8, sampling)))
+                         generation.fresh_decode(m, prefixes, 2, 8, sampling)))
         assert runs[0] == runs[1]
     assert own.generation_config.repetition_penalty == 5.0  # set aside for each call only
-    assert rollout.overridden_settings(model) == {}
-    assert list(rollout.overridden_settings(own)) == [
+    assert generation.overridden_settings(model) == {}
+    assert list(generation.overridden_settings(own)) == [
         "bad_words_ids", "epsilon_cutoff", "eta_cutoff", "min_new_tokens", "min_p",
         "no_repeat_ngram_size", "repetition_penalty", "suppress_tokens", "temperature", "top_k",
         "top_p", "typical_p"]
     for m, rank in ((own, 1), (model, 0), (own, 0)):  # one line, from the first process only
-        rollout.announce_overridden_settings(m, rank)
+        generation.announce_overridden_settings(m, rank)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and "repetition_penalty=5.0, suppress_tokens=[6]" in lines[0]
 
@@ -1340,7 +1513,7 @@ def test_stop_string_begun_in_the_prefix_ends_the_continuation_whatever_the_batc
         alone = rollout.sample(model, [prefix], 2, [5], sampling)
         assert alone == ([expected[0][j]], [expected[1][j]])
     # the project's stop string after a state that ends in a newline, and one the prefix holds whole
-    finish = lambda row, before: rollout.finish(row, 100, eos, tok, STOP, before)
+    finish = lambda row, before: generation.finish(row, 100, eos, tok, STOP, before)
     assert finish(enc("\n\nProblem:"), enc("4.\n")) == ([eos], True)
     assert finish(enc("\n\nProblem:") + [eos], enc("4.\n")) == ([eos], True)
     assert finish(enc("\n\nProblem:"), enc("4.")) == (enc("\n\nProblem:"), False)

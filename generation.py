@@ -1,0 +1,183 @@
+"""How rollout.py calls HF `generate`, and the KV-cache buffers its fork writes into.
+
+Engineering under rollout.py, which a first reading may skip:
+- finish: the stop rule (EOS, the stop string, the budget);
+- decoding, generate: generate's settings, the model's own set aside;
+- forkable, fresh_decode: caches that cannot be forked (sliding windows) are encoded afresh;
+- fork_dtype, gather_columns, largest_fork, reused_buffers, PreallocatedLayer: fork's buffers.
+"""
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer
+
+
+def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None = None,
+           before=()):
+    """(row cut, finished): cut after its first EOS, to its budget, and before `stop`.
+
+    - eos_id: an id, or several (Sampling.stops: any ends it); a cut appends the first;
+    - text after the stop string is a next problem the model began inventing: cut off;
+    - before: the row's prefix. HF stops at the token completing `stop` (the row's last), so
+      `stop` lies in the last len(stop) tokens of prefix + row (each adds >= 1 character)."""
+    ends = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    first = next((t for t, token in enumerate(seq) if token in ends), None)
+    seq = (seq if first is None else seq[: first + 1])[:budget]
+    body = seq[:-1] if seq and seq[-1] in ends else seq
+    # the stop string counts where it ends in the row, even if it begins in the prefix (as
+    # generate sees it): an MC continuation stops, and is cut, where its response would have
+    tail = list(before)[-len(stop):] if stop else []
+    joined = tail + body
+    text = lambda lo, hi=None: tokenizer.decode(joined[lo:hi], skip_special_tokens=True)
+    window = max(0, len(joined) - len(stop)) if stop else 0
+    if stop and stop in text(window) and stop not in text(window, len(tail)):  # not the prefix's
+        start = len(joined) - 1
+        while stop not in text(start):  # the last token whose text, and what follows, has `stop`
+            start -= 1
+        seq = body[:max(0, start - len(tail))] + [ends[0]]  # begun in the prefix: EOS alone
+    return seq, bool(seq) and seq[-1] in ends
+
+
+def decoding(sampling) -> dict:
+    """`generate`'s settings for every sampling call.
+
+    - any stop id or the stop string ends a row;
+    - synced_gpus False: each process decodes on its own (with FSDP, HF would lock them);
+    - top_k=0: generate's default top_k=50 would sample from a distribution the log-probs
+      do not model."""
+    stopping = dict(eos_token_id=list(sampling.stops), pad_token_id=sampling.eos_id,
+                    stop_strings=sampling.stop, tokenizer=sampling.tokenizer, synced_gpus=False)
+    if sampling.temperature > 0:
+        return dict(stopping, do_sample=True, temperature=sampling.temperature,
+                    top_p=sampling.top_p, top_k=0)
+    return dict(stopping, do_sample=False)
+
+
+def generate(model, sampling, **inputs):
+    """HF `generate` with decoding's settings and no others: softmax(logits / T) with top-p
+    (greedy: the argmax), the distribution the log-probs model.
+
+    generate fills every setting a call leaves unset from model.generation_config, even when
+    given a GenerationConfig (repetition_penalty, min_p, top_k, ...): it is set aside."""
+    own, model.generation_config = model.generation_config, GenerationConfig()  # all unset
+    try:
+        return model.generate(**inputs, **decoding(sampling))
+    finally:
+        model.generation_config = own
+
+
+# generation settings a model may set, at values that leave softmax(logits / T) as is
+NEUTRAL = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, typical_p=1.0,
+               epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+               num_beams=1, min_length=0, length_penalty=1.0, use_cache=True,
+               output_attentions=False, output_hidden_states=False)
+
+
+NOT_SETTINGS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
+                "transformers_version")
+
+
+def overridden_settings(model) -> dict:
+    """The settings of model.generation_config that generate sets aside: those not
+    neutral. Its token ids are kept apart: its EOS ids end responses (prompts.stop_ids)."""
+    own = sorted(model.generation_config.to_dict().items())
+    return {key: value for key, value in own if value is not None and value != NEUTRAL.get(key)
+            and key not in NOT_SETTINGS and not key.startswith("_")}
+
+
+def announce_overridden_settings(model, rank: int):
+    """One line, from the first process, naming the model's own generation settings
+    that sampling does not use (overridden_settings); none: no line."""
+    own = overridden_settings(model)
+    if own and rank == 0:
+        shown = ", ".join(f"{key}={value!r}" for key, value in own.items())
+        tqdm.write(f"the model's generation_config sets {shown}: not used; responses, MC "
+                   "continuations and evaluation sample softmax(logits / T) with --temperature "
+                   "and --top-p (T = 0: greedy)")
+
+
+def forkable(cache) -> bool:
+    """Whether fork can read states out of this cache: every layer a DynamicLayer that holds
+    every position (a sliding-window layer keeps only the last window)."""
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer
+                                                   for layer in cache.layers)
+
+
+def fresh_decode(model, prefixes, k: int, budget: int, sampling):
+    """New ids of k continuations of each prefix, encoded afresh by `generate`, those of one
+    length together: no padding (a padded row can turn an eager sliding-window attention's
+    output to NaN)."""
+    device, new = next(model.parameters()).device, [None] * len(prefixes)
+    for length in sorted(set(map(len, prefixes))):
+        same = [j for j, p in enumerate(prefixes) if len(p) == length]
+        ids = torch.tensor([prefixes[j] for j in same for _ in range(k)], device=device)
+        out = generate(model, sampling, input_ids=ids, attention_mask=torch.ones_like(ids),
+                       max_new_tokens=budget)[:, length:].tolist()
+        for i, j in enumerate(same):
+            new[j] = out[i * k:(i + 1) * k]
+    return [row for rows in new for row in rows]
+
+
+def fork_dtype(cache, device):
+    """One dtype for keys and values: autocast's when on (attention casts both to it anyway),
+    else the cache's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return cache.layers[0].values.dtype
+
+
+def gather_columns(x, sources: list[int], ends: list[int], width: int, capacity: int, dtype):
+    """copy_columns by one indexed read and one fill: a few large GPU kernels per layer
+    (the columns from W-1 on hold copies, overwritten as generate decodes)."""
+    device = x.device
+    starts = width - torch.tensor(ends, device=device)[:, None]
+    cols = torch.arange(capacity, device=device)[None, :] - starts  # column c reads c - start
+    rows = torch.tensor(sources, device=device)[:, None, None]
+    heads = torch.arange(x.shape[1], device=device)[None, :, None]
+    buffer = x[rows, heads, cols.clamp(0, x.shape[2] - 1)[:, None, :]].to(dtype)
+    return buffer.masked_fill_((cols < 0)[:, None, :, None], 0)
+
+
+def largest_fork(chunks, prefixes, budgets, k: int) -> int:
+    """The cached positions of the largest fork among the chunks:
+    rows x (longest prefix - 1 + largest budget), fork's capacity."""
+    return max(len(chunk) * k * (max(len(prefixes[j]) for j in chunk) - 1
+                                 + max(budgets[j] for j in chunk)) for chunk in chunks)
+
+
+def reused_buffers(positions: int):
+    """fork's allocator for the batches of one continue_from_cache call.
+
+    Buffer `slot` (a layer's keys or values) of each batch is a view of one flat tensor,
+    made at the first fork for `positions` cached positions, the largest batch's. A CPU pays
+    for a fresh page the first time it is touched, and buffers this large go back to the OS
+    when freed, so each new batch would pay again (docs/speed-and-memory.md). Peak memory is
+    unchanged: the largest batch's."""
+    flat = {}
+
+    def allocate(slot, shape, dtype, device):  # shape [rows, H, columns, D]
+        size = shape[0] * shape[1] * shape[2] * shape[3]
+        if slot not in flat or flat[slot].numel() < size or flat[slot].dtype != dtype:
+            flat[slot] = torch.empty(max(size, positions * shape[1] * shape[3]), dtype=dtype,
+                                     device=device)
+        return flat[slot][:size].view(shape)
+    return allocate
+
+
+class PreallocatedLayer(DynamicLayer):
+    """Cache buffers sized for the whole generation, written in place
+    (DynamicLayer's torch.cat was slow)."""
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
+        super().__init__()
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer  # [B, H, capacity, D]
+        self.keys, self.values = key_buffer[:, :, :length], value_buffer[:, :, :length]
+        self.device, self.is_initialized = key_buffer.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
