@@ -1,7 +1,8 @@
-"""Does step-level credit assignment matter more on longer chains? VinePPO, GRPO and PPO side by side.
+"""Does step-level credit assignment matter more on longer chains? VinePPO, GRPO, PPO side by side.
 
-    python compare.py   # the experiment: chains of 6-8 and 10-12 steps, vineppo, grpo, ppo x 3 seeds
-    python compare.py --chains 6-8 --seeds 0 --iterations 2 --algos vineppo,grpo --jobs 1   # a quick look
+    python compare.py  # the experiment: chains of 6-8 and 10-12 steps, vineppo, grpo, ppo x 3 seeds
+    # a quick look:
+    python compare.py --chains 6-8 --seeds 0 --iterations 2 --algos vineppo,grpo --jobs 1
 
 For each chain length (`--arith-steps` of the built-in task, with `--arith-traps`): one SFT start
 (`train.py --iterations 0`), then every method and seed from that checkpoint with the demo's
@@ -36,8 +37,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run(out: str, *args, seconds: float = 0.0):
-    """Run train.py to completion, unless `out` holds a finished run (its `finished` file); with `seconds`,
-    stop it (SIGTERM) once its logged training seconds reach them (--eval-every 1: that row is evaluated)."""
+    """Run train.py to completion, unless `out` holds a finished run (its `finished` file).
+    With `seconds`, stop it (SIGTERM) once its logged training seconds reach them
+    (--eval-every 1: that row is evaluated)."""
     if os.path.exists(os.path.join(out, "finished")):
         return
     # leftovers of an unfinished run are replaced
@@ -67,7 +69,8 @@ def training_seconds(out: str) -> float:
     """The training seconds (evaluation excluded) of a run's complete metrics.jsonl rows so far."""
     try:
         with open(os.path.join(out, "metrics.jsonl")) as f:
-            lines = f.read().split("\n")[:-1]  # a last line without its newline is still being written
+            # a last line without its newline is still being written
+            lines = f.read().split("\n")[:-1]
     except FileNotFoundError:
         return 0.0
     return sum(json.loads(line).get("seconds", 0.0) for line in lines if line)
@@ -98,26 +101,31 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(curves: dict, budget: float = 0.0) -> dict:
-    """curves[algo] = one curve per seed -> per algo: start, final, seconds, accuracy at equal time (at
-    `budget` seconds; 0: when the fastest method finished) and its lag: the most that budget is ahead of
-    the evaluation it takes, as a fraction of the budget."""
+    """curves[algo] = one curve per seed -> per algo: start, final, seconds, accuracy at equal
+    time (at `budget` seconds; 0: when the fastest method finished) and its lag: the most that
+    budget is ahead of the evaluation it takes, as a fraction of the budget."""
     budget = budget or min(statistics.mean(c[-1][1] for c in runs) for runs in curves.values())
-    lag = lambda c: (budget - [t for _, t, _ in c if t <= budget + 1e-9][-1]) / budget if budget else 0.0
-    return {algo: {"start": mean_se([c[0][2] for c in runs]), "final": mean_se([c[-1][2] for c in runs]),
+    lag = lambda c: ((budget - [t for _, t, _ in c if t <= budget + 1e-9][-1]) / budget
+                     if budget else 0.0)
+    return {algo: {"start": mean_se([c[0][2] for c in runs]),
+                   "final": mean_se([c[-1][2] for c in runs]),
                    "seconds": statistics.mean(c[-1][1] for c in runs), "budget": budget,
                    "iterations": statistics.mean(c[-1][0] for c in runs),
-                   "at_budget": mean_se([accuracy_at(c, budget) for c in runs]), "lag": max(map(lag, runs))}
+                   "at_budget": mean_se([accuracy_at(c, budget) for c in runs]),
+                   "lag": max(map(lag, runs))}
             for algo, runs in curves.items()}
 
 
 def lead(summary: dict, mine: str, other: str, key: str) -> tuple[float, float]:
-    """`mine`'s lead over `other` in summary[..][key] (final or at_budget), ± the standard errors combined."""
+    """`mine`'s lead over `other` in summary[..][key] (final or at_budget), ± the standard errors
+    combined."""
     (v, v_se), (o, o_se) = summary[mine][key], summary[other][key]
     return v - o, (v_se ** 2 + o_se ** 2) ** 0.5
 
 
 def verdict(m_se: tuple[float, float]) -> str:
-    """The counting rule fixed before the experiments: a difference counts beyond twice its standard error."""
+    """The counting rule fixed before the experiments.
+    A difference counts beyond twice its standard error."""
     m, se = m_se
     return "counts" if m > 2 * se else "counts against" if m < -2 * se else "within noise"
 
@@ -126,27 +134,31 @@ def report(results: dict, metric: str, equal_time_only: bool = False):
     cell = lambda m_se: f"{m_se[0]:.3f} ± {m_se[1]:.3f}"
     for chains, summary in results.items():
         print(f"\n{metric}, chains of {chains} steps (mean ± s.e. over seeds)")
-        print(f"{'method':8} {'start':>12} {'final':>12} {'seconds':>8} {'iterations':>10} {'at equal time':>16}")
+        print(f"{'method':8} {'start':>12} {'final':>12} {'seconds':>8} {'iterations':>10} "
+              f"{'at equal time':>16}")
         for algo, s in summary.items():
             print(f"{algo:8} {cell(s['start']):>12} {cell(s['final']):>12} {s['seconds']:>8.0f} "
                   f"{s['iterations']:>10.1f} "
-                  f"{cell(s['at_budget']):>16}  (at {s['budget']:.0f} s, evaluated up to {s['lag']:.0%} before)")
+                  f"{cell(s['at_budget']):>16}  (at {s['budget']:.0f} s, "
+                  f"evaluated up to {s['lag']:.0%} before)")
     first, last = list(results)[0], list(results)[-1]
     methods = list(results[first])
     vine = [m for m in methods if m.startswith("vineppo")]  # VinePPO and its variant (--variant)
     pairs = [(m, o) for i, m in enumerate(vine) for o in methods if o != m and o not in vine[:i]]
     for mine, other in pairs:
-        for key, words in (("final", "at equal iterations"), ("at_budget", "at equal wall-clock"))[equal_time_only:]:
+        for key, words in (("final", "at equal iterations"),
+                           ("at_budget", "at equal wall-clock"))[equal_time_only:]:
             leads = {chains: lead(summary, mine, other, key) for chains, summary in results.items()}
-            growth = (leads[last][0] - leads[first][0], (leads[last][1] ** 2 + leads[first][1] ** 2) ** 0.5)
+            growth = (leads[last][0] - leads[first][0],
+                      (leads[last][1] ** 2 + leads[first][1] ** 2) ** 0.5)
             print(f"{metric}: {mine}'s lead over {other} {words}: "
                   + ", ".join(f"{c}: {cell(m_se)} ({verdict(m_se)})" for c, m_se in leads.items())
                   + (f"; growth {cell(growth)} ({verdict(growth)})" if first != last else ""))
 
 
 def on_grid(runs: list, points: int = 60) -> tuple[list, list, list, list]:
-    """Seconds 0 .. the shortest run's last evaluation in `points` steps, and at each the accuracy of every
-    seed's last evaluation by then: (seconds, mean, least, most) over the seeds."""
+    """Seconds 0 .. the shortest run's last evaluation in `points` steps, and at each the accuracy
+    of every seed's last evaluation by then: (seconds, mean, least, most) over the seeds."""
     end = min(c[-1][1] for c in runs)
     grid = [end * i / (points - 1) for i in range(points)]
     accs = [[accuracy_at(c, t) for c in runs] for t in grid]
@@ -154,26 +166,32 @@ def on_grid(runs: list, points: int = 60) -> tuple[list, list, list, list]:
 
 
 def plot(curves: dict, path: str):
-    """Held-out accuracy (at T = 0.35 and greedy) against iteration and against training seconds (each
-    seed's last evaluation by then): a row per chain length, a line per method (the mean over seeds)
-    with the seeds' range shaded."""
+    """Held-out accuracy (at T = 0.35 and greedy) against iteration and against training seconds
+    (each seed's last evaluation by then): a row per chain length, a line per method (the mean
+    over seeds) with the seeds' range shaded."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     chain_lengths = list(next(iter(curves.values())))
-    fig, axes = plt.subplots(len(chain_lengths), 4, figsize=(16, 3.2 * len(chain_lengths)), squeeze=False)
+    fig, axes = plt.subplots(len(chain_lengths), 4, figsize=(16, 3.2 * len(chain_lengths)),
+                             squeeze=False)
     for row, chains in zip(axes, chain_lengths):
-        for (by_iteration, by_seconds), (metric, by_chains) in zip((row[:2], row[2:]), curves.items()):
+        for (by_iteration, by_seconds), (metric, by_chains) in zip(
+                (row[:2], row[2:]), curves.items()):
             for algo, runs in by_chains[chains].items():
-                accs = list(zip(*[[acc for _, _, acc in c] for c in runs]))  # per evaluation, one per seed
+                # per evaluation, one per seed
+                accs = list(zip(*[[acc for _, _, acc in c] for c in runs]))
                 line, = by_iteration.plot([it for it, _, _ in runs[0]][:len(accs)],
-                                          [statistics.mean(a) for a in accs], marker="o", markersize=3, label=algo)
-                by_iteration.fill_between([it for it, _, _ in runs[0]][:len(accs)], [min(a) for a in accs],
-                                          [max(a) for a in accs], alpha=0.2, color=line.get_color())
+                                          [statistics.mean(a) for a in accs], marker="o",
+                                          markersize=3, label=algo)
+                by_iteration.fill_between([it for it, _, _ in runs[0]][:len(accs)],
+                                          [min(a) for a in accs], [max(a) for a in accs],
+                                          alpha=0.2, color=line.get_color())
                 grid, mean, least, most = on_grid(runs)
                 by_seconds.plot(grid, mean, color=line.get_color(), label=algo)
                 by_seconds.fill_between(grid, least, most, alpha=0.2, color=line.get_color())
-            by_iteration.set(xlabel="iteration", ylabel=f"{METRICS[metric]}\nchains of {chains} steps")
+            by_iteration.set(xlabel="iteration",
+                             ylabel=f"{METRICS[metric]}\nchains of {chains} steps")
             by_seconds.set(xlabel="training seconds")
         row[0].legend()
     fig.tight_layout()
@@ -269,26 +287,35 @@ def variant(text: str, methods: dict, error) -> tuple[str, list[str]]:
 
 
 def parse_args(argv=None):
-    """(args, seeds, chain lengths, {method: its train.py flags}), each checked: one line and exit 2 if not."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="compare", help="directory for all runs (finished runs are reused)")
+    """(args, seeds, chain lengths, {method: its train.py flags}), each checked: one line and
+    exit 2 if not."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="compare",
+                   help="directory for all runs (finished runs are reused)")
     p.add_argument("--chains", default="6-8,10-12", help="comma-separated --arith-steps settings")
     p.add_argument("--traps", default="0-2", help="--arith-traps of every run ('': the plain task)")
     p.add_argument("--slip", type=float, default=0.7, help="--arith-slip of the SFT demonstrations")
     p.add_argument("--algos", default="vineppo,grpo,ppo")
-    p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS, repeatable: one more method, "
-                   "the algorithm NAME begins with (NAME-...) with these train.py flags (they override the shared "
-                   "settings), e.g. 'vineppo-reuse=--mc-reuse --mc-top-up' or "
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=FLAGS, repeatable: one more method, the algorithm NAME begins with "
+                   "(NAME-...) with these train.py flags (they override the shared settings), "
+                   "e.g. 'vineppo-reuse=--mc-reuse --mc-top-up' or "
                    "'grpo-16=--samples-per-prompt 16'; quoted as in a shell; "
                    "--out, --seed, --algo, --overwrite and --resume are compare.py's")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
-    p.add_argument("--iterations", type=int, default=12, help="iterations per run (with --seconds: at most)")
-    p.add_argument("--seconds", type=float, default=0, help="training seconds per run (evaluation excluded): "
-                   "each stops at the first iteration that reaches them; compared at them (0: iterations)")
+    p.add_argument("--iterations", type=int, default=12,
+                   help="iterations per run (with --seconds: at most)")
+    p.add_argument("--seconds", type=float, default=0,
+                   help="training seconds per run (evaluation excluded): each stops at the first "
+                   "iteration that reaches them; compared at them (0: iterations)")
     p.add_argument("--eval-every", type=int, default=4)
-    p.add_argument("--eval-problems", type=int, default=200, help="held-out problems per evaluation")
-    p.add_argument("--jobs", type=int, default=2, help="chain lengths run side by side, one torch thread each")
-    p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)  # one line, no usage
+    p.add_argument("--eval-problems", type=int, default=200,
+                   help="held-out problems per evaluation")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="chain lengths run side by side, one torch thread each")
+    # one line, no usage
+    p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)
     args = p.parse_args(argv)
     if not all(s.isdigit() for s in args.seeds.split(",")):
         p.error(f"--seeds {args.seeds!r}: expected comma-separated integers >= 0")
@@ -296,7 +323,8 @@ def parse_args(argv=None):
     if len(set(seeds)) < len(seeds):  # one run counted twice, as if two seeds agreed
         p.error(f"--seeds {args.seeds!r}: a seed given twice; expected distinct seeds")
     chain_lengths = args.chains.split(",")
-    for chains in chain_lengths:  # train.py's own rules for --arith-steps, once here rather than in each run
+    # train.py's own rules for --arith-steps, once here rather than in each run
+    for chains in chain_lengths:
         (test, expected), most = train.STEPS, 8 if not args.traps else float("inf")
         if not test(chains) or int(chains.split("-")[1]) > most:
             p.error(f"--chains {args.chains!r}: expected comma-separated {expected}"
@@ -309,10 +337,12 @@ def parse_args(argv=None):
         p.error(f"--seconds {args.seconds}: expected a number of seconds >= 0")
     for name in ("iterations", "eval_every", "eval_problems", "jobs"):
         if getattr(args, name) < (1 if name == "jobs" else 0):
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= {1 if name == 'jobs' else 0}")
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: "
+                    f"expected >= {1 if name == 'jobs' else 0}")
     algos = args.algos.split(",")
     if not all(algo in ppo.ALGOS for algo in algos) or len(set(algos)) < len(algos):
-        p.error(f"--algos {args.algos!r}: expected distinct names of {', '.join(ppo.ALGOS)}, comma-separated")
+        p.error(f"--algos {args.algos!r}: expected distinct names of {', '.join(ppo.ALGOS)}, "
+                "comma-separated")
     methods = {algo: ["--algo", algo] for algo in algos}  # name -> its train.py flags
     for text in args.variant:  # each checked in full here, before the SFT start runs
         name, flags = variant(text, methods, p.error)
@@ -327,11 +357,14 @@ def parse_args(argv=None):
 
 def main():
     args, seeds, chain_lengths, methods = parse_args()
-    if args.jobs > 1 and len(chain_lengths) > 1:  # one process per chain length; then report from their runs
+    # one process per chain length; then report from their runs
+    if args.jobs > 1 and len(chain_lengths) > 1:
         os.makedirs(args.out, exist_ok=True)
         logs = [open(os.path.join(args.out, f"chains{c}.log"), "w") for c in chain_lengths]
-        children = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--chains", c, "--jobs", "1"],
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
+        children = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:],
+                                      "--chains", c, "--jobs", "1"],
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                     stdout=log, stderr=log)
                     for c, log in zip(chain_lengths, logs)]
         if any(child.wait() for child in children):
             sys.exit(f"a chain length's runs failed: see {args.out}/chains*.log")
@@ -343,14 +376,17 @@ def main():
         task = as_flags(task_settings(args, chains))
         run(os.path.join(base, "sft"), "--iterations", "0", *task)  # the demo's SFT, once
         runs = {name: [] for name in methods}
-        for seed in seeds:  # methods interleaved, so a machine's changing load touches all of them alike
+        # methods interleaved, so a machine's changing load touches all of them alike
+        for seed in seeds:
             for name, flags in methods.items():
                 out = os.path.join(base, f"{name}-seed{seed}")
                 run(out, *rl_flags(args, chains, seed, flags), seconds=args.seconds)
                 runs[name].append(out)
         for metric in METRICS:
-            curves[metric][chains] = {algo: [curve(out, metric) for out in outs] for algo, outs in runs.items()}
-    for budget in [args.seconds * f for f in (0.5, 0.75, 1)] if args.seconds else [0]:  # --seconds: 3 points
+            curves[metric][chains] = {algo: [curve(out, metric) for out in outs]
+                                      for algo, outs in runs.items()}
+    # --seconds: 3 points
+    for budget in [args.seconds * f for f in (0.5, 0.75, 1)] if args.seconds else [0]:
         for metric, by_chains in curves.items():
             report({chains: summarize(by_algo, budget) for chains, by_algo in by_chains.items()},
                    METRICS[metric], equal_time_only=budget > 0)
