@@ -77,8 +77,8 @@ def explained_variance(values, returns, mask) -> float:
 
 
 def k3_kl(logp, ref_logp):
-    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1,
-    d = ref - logp (>= 0)."""
+    """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1 (>= 0),
+    d = ref - logp."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 

@@ -55,6 +55,7 @@ class Episode:
     field          shape / type  set by (phase)                          read by
     prompt_ids     list [P]      sample_episodes (2), the problem's      every forward pass
     response_ids   list [T]      sample_episodes (2); EOS if it stopped  every forward pass
+                                 (after a stop string: appended, not sampled, yet trained on)
     gold, question str           sample_episodes (2), the problem's      response_reward
     math           bool          sample_episodes (2): a MATH problem     grading, split_steps
     group          int           sample_episodes (2): its prompt's index GRPO, group_chunks
@@ -185,12 +186,12 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     """Reset to each prefix k times: ids [n*k, W], their mask, and a cache to decode on.
 
     Prefix j is row rows[j] of `cache`, the right-padded pass of old_logprobs: its token t's
-    keys and values are in column t. One forked row, W = 6, a prefix of e = 4 tokens:
+    keys and values are in column t. One forked row, W = 6, a prefix of 4 tokens:
 
         column   0    1    2    3    4    5    6 ...
         ids      pad  pad  p0   p1   p2   p3
         mask     0    0    1    1    1    1
-        cache    0    0    k0   k1   k2   [room: p3's and the new tokens' keys]
+        cache    0    0    kv0  kv1  kv2  [room: p3's and the new tokens' keys, values]
 
     - left padding: every prefix ends in column W-1, so all forks decode in the same column;
     - W-1 cached columns: `generate` feeds the last prefix token itself (its logits pick the
@@ -202,7 +203,7 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     method = method or ("gather" if device.type == "cuda" else "copy")
     assert method in FORK_METHODS, method
-    ends = [len(p) for p in prefixes for _ in range(k)]  # each fork's prefix length e
+    ends = [len(p) for p in prefixes for _ in range(k)]  # each fork's prefix length
     sources = [rows[i // k] for i in range(len(ends))]  # the cache row each fork reads
     ids = torch.full((len(ends), width), pad_id, device=device)  # [n*k, W]
     for j, p in enumerate(prefixes):
@@ -233,9 +234,9 @@ def copy_columns(x, sources: list[int], ends: list[int], width: int, capacity: i
     copies (on a CPU far faster than a gather); columns from W-1 on are left unwritten."""
     shape = (len(ends), x.shape[1], capacity, x.shape[3])
     buffer = allocate(slot, shape, dtype, x.device) if allocate else x.new_empty(shape, dtype=dtype)
-    for i, (row, e) in enumerate(zip(sources, ends)):
-        buffer[i, :, : width - e] = 0  # masked, but 0 * NaN would leak through the mask
-        buffer[i, :, width - e: width - 1] = x[row, :, : e - 1]
+    for i, (row, length) in enumerate(zip(sources, ends)):
+        buffer[i, :, : width - length] = 0  # masked, but 0 * NaN would leak through the mask
+        buffer[i, :, width - length: width - 1] = x[row, :, : length - 1]
     return buffer
 
 

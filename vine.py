@@ -115,7 +115,8 @@ def step_advantages(values: list[float | None], reward: float) -> list[float]:
 
         A = [V(s_1) - V(s_0), ..., V(s_{n-1}) - V(s_{n-2}), R - V(s_{n-1})]
 
-    A value None (a state past the cap) takes the return, R."""
+    A value None (a state past the cap) takes the return, R: the step before the first such
+    state gets R - V(s_i), and every step after it 0."""
     v = [reward if x is None else x for x in values]
     return [v[i + 1] - v[i] for i in range(len(v) - 1)] + [reward - v[-1]]
 
@@ -268,7 +269,7 @@ def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
 
     - a step opens at each line; leading empty lines join the first;
     - the last non-empty line, empty lines after it and the answer ('\\n####'; boxed: the line
-      of the first \\boxed, from its '\\n') form one step;
+      of the first \\boxed, from its '\\n') form one step; without an answer, every line does;
     - a token is in its first character's step."""
     text = "".join(token_texts)
     answer_at = (text.rfind("\n", 0, max(0, text.find("\\boxed"))) if boxed
