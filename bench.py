@@ -64,9 +64,11 @@ import math_grader
 import parallel
 import reward
 import rollout
+import tasks
 import vine
-from prompts import encode_prompt, sft_example, sft_target
-from reward import DataError, first_line
+from prompts import encode_prompt
+from sft import sft_example, sft_target
+from tasks import DataError, first_line
 
 PAD = 0
 
@@ -541,9 +543,10 @@ def tokenizer_32k(texts: list[str], size: int, newline_every: int):
     `newline_every` ending in a newline. A random model samples all entries about alike, so its text
     opens a line, a step, about every `newline_every` tokens: GSM8K's solutions have a line per 28
     tokens of Llama 2's."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, pre_tokenizers, trainers
+    from tokenizers import models as token_models
     from transformers import LlamaTokenizer
-    bpe = Tokenizer(models.BPE())
+    bpe = Tokenizer(token_models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always",
                                                  split=True)
     lines = [line for text in texts for line in text.split("\n")]
@@ -567,7 +570,7 @@ def model_files(ctx, result):
     disk)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     shape, train = ctx.mode["shape"], ctx.mode["train"]
-    problems = reward.read_jsonl(FIXTURE)
+    problems = tasks.read_jsonl(FIXTURE)
     texts = [reward.PROMPT.format(question=p["question"]) for p in problems]
     tok = tokenizer_32k(texts + [sft_target(p["answer"]) for p in problems], shape["vocab"],
                         train["newline_every"])
@@ -749,7 +752,7 @@ def model_state_bytes(shape: dict, critic: bool) -> int:
     """Arithmetic, no measurement: 16 bytes a trained parameter (fp32 weight, gradient, two AdamW
     moments) for the policy and PPO's critic (the policy's backbone without its LM head; the head's
     2049 left out), and the frozen reference with its Linear weights in bf16
-    (start.cast_linear_weights)."""
+    (models.cast_linear_weights)."""
     h, layers, vocab = shape["hidden"], shape["layers"], shape["vocab"]
     kv = h // shape["heads"] * shape["kv_heads"]
     # the decoder layers' Linears
@@ -983,7 +986,7 @@ def mc_token_count(tok, problems: list[dict], prompts: int = 64, samples: int = 
 
 def count_mc_tokens(data: str, tokenizer: str) -> dict:
     from transformers import AutoTokenizer
-    problems = reward.read_jsonl(data)
+    problems = tasks.read_jsonl(data)
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer)
     except Exception as e:  # hub, network and format errors: one line

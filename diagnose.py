@@ -54,9 +54,11 @@ import settings
 import train
 import value
 import vine
-from checkpoint import load_critic, load_model
+from checkpoint import load_critic
+from models import load_model
 from prompts import encode_prompt
-from reward import STOP, DataError, first_line, grade, load_problems
+from tasks import DataError, first_line, load_problems
+from reward import STOP, grade
 
 
 def pairwise_accuracy(groups) -> float:

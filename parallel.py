@@ -1,5 +1,6 @@
 """Several processes under torchrun (DDP, or FSDP2 with --fsdp); in one process, identities and
-plain calls. Also an iteration's metrics row, merged over the processes and logged by the first.
+plain calls. Also the update's steps across processes (ppo.py: a minibatch's statistics, a
+non-finite loss) and an iteration's metrics row, merged over the processes and logged by the first.
 Needs no sibling. All engineering: a first reading may skip this file (and every line that
 mentions it)."""
 import json
@@ -136,6 +137,28 @@ def load_optimizer_state(model, optim, saved: dict):
         optim.load_state_dict(saved)
 
 
+# ---- PPO's update across processes: each minibatch's statistics, a non-finite loss -------------
+
+
+def minibatch_stats(shares: list[dict], keys, device) -> dict:
+    """The minibatch's statistics: its micro-batches' shares summed, over all processes too, so
+    every process logs the whole minibatch's (a non-finite micro-batch's share is left out)."""
+    sums = torch.tensor([sum(s[k] for s in shares) for k in keys], dtype=torch.float64,
+                        device=device)
+    return dict(zip(keys, all_reduce_sum(sums).tolist()))
+
+
+def backward_share(loss, stats: dict, into: list):
+    """Backward of a micro-batch's share of the minibatch's loss; its stats kept when finite.
+
+    A non-finite loss runs backward too (under DDP every process must): the gradient norm turns
+    non-finite and the whole step is skipped (ppo.optimizer_step), in one process as in several."""
+    if torch.isfinite(loss):
+        into.append(stats)
+    # DDP and FSDP average the processes' gradients: x world size makes them the minibatch's mean
+    (loss * world_size()).backward()
+
+
 # ---- an iteration's metrics row: merged over the processes, logged by the first ------------------
 
 # their sum: `seconds`, what compare.py's equal wall-clock counts
@@ -190,4 +213,5 @@ def log(out: str, row: dict):
         tqdm.write(" ".join(shown))
         if row.get("nonfinite_skips"):
             tqdm.write(f"warning: iteration {row['iteration']}: {row['nonfinite_skips']} "
-                       "non-finite losses skipped")
+                       "steps skipped for a non-finite loss or gradient")
+

@@ -226,18 +226,18 @@ def minibatch_step(batch, policy, critic, hp: PPOSettings, pad_id: int, device, 
                                    hp.kl_coef, n_tokens=counts["tokens"],
                                    n_responses=counts["responses"])
             log.skipped_batches += stats["skipped"]
-            log.nonfinite_skips += backward_if_finite(loss, stats, policy_shares)
+            parallel.backward_share(loss, stats, policy_shares)
         if critic is not None:
             with autocast:
                 out = critic.wrapped(ids[rows], mask[rows], micro["prompt_lens"])
             loss, stats = critic.model.loss(out, micro["critic_values"], micro["returns"],
                                             micro["reward"], micro["action_mask"], hp.value_clip,
                                             n=counts["critic"])
-            log.nonfinite_skips += backward_if_finite(loss, stats, critic_shares)
+            parallel.backward_share(loss, stats, critic_shares)
     if policy is not None:
-        log.policy.append(minibatch_stats(policy_shares, POLICY_STATS, device))
+        log.policy.append(parallel.minibatch_stats(policy_shares, POLICY_STATS, device))
     if critic is not None:
-        log.critic.append(minibatch_stats(critic_shares, CRITIC_STATS, device))
+        log.critic.append(parallel.minibatch_stats(critic_shares, CRITIC_STATS, device))
     for learner in [x for x in (policy, critic) if x is not None]:
         log.stepped(optimizer_step(learner.model, learner.optimizer, learner.scheduler),
                     learner is policy)
@@ -252,7 +252,7 @@ class UpdateLog:
     critic: list = field(default_factory=list)  # one dict of CRITIC_STATS per minibatch
     grad_norms: list = field(default_factory=list)  # the policy's, before clipping
     skipped_batches: float = 0  # micro-batches whose ratio exceeded max_ratio (ppo_loss)
-    nonfinite_skips: int = 0    # non-finite losses or gradient norms: their steps skipped
+    nonfinite_skips: int = 0    # steps skipped for a non-finite loss or gradient norm
 
     def stepped(self, norm: float | None, is_policy: bool):
         """Record a learner's step: its gradient norm, or None for a step skipped."""
@@ -279,28 +279,6 @@ def minibatch_counts(fields: dict, critic) -> dict:
                                                  terms]))
     tokens, responses, critic_terms = total.clamp(min=1)
     return {"tokens": tokens, "responses": responses, "critic": critic_terms}
-
-
-def minibatch_stats(shares: list[dict], keys, device) -> dict:
-    """The minibatch's statistics: its micro-batches' shares summed, over all processes too, so
-    every process logs the whole minibatch's (a non-finite micro-batch's share is left out)."""
-    sums = torch.tensor([sum(s[k] for s in shares) for k in keys], dtype=torch.float64,
-                        device=device)
-    return dict(zip(keys, parallel.all_reduce_sum(sums).tolist()))
-
-
-def backward_if_finite(loss, stats: dict, into: list) -> bool:
-    """Backward of a finite loss (its stats kept); True for a non-finite loss skipped. Under DDP
-    every process must run backward: it runs, the gradient norm turns NaN and ppo_update counts the
-    skipped step once."""
-    finite = bool(torch.isfinite(loss))
-    if finite:
-        into.append(stats)
-    if finite or parallel.world_size() > 1:
-        # DDP and FSDP average the processes' gradients:
-        # x world size turns them into the minibatch's mean
-        (loss * parallel.world_size()).backward()
-    return not finite and parallel.world_size() == 1
 
 
 def collate(episodes, pad_id, device):

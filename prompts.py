@@ -1,19 +1,19 @@
 """The prompt a model is asked and the answer it is taught to write, for the model a user brings:
 the data's template or --prompt-template, --chat's turns of the tokenizer's chat template, the ids
-that end a turn, SFT demonstrations in --answer's style, and a warning when no response holds an
-answer the grader reads.
+that end a turn, and a warning when no response holds an answer the grader reads (the SFT
+demonstrations in --answer's style: sft.py).
 
-Needs: reward.py (the data, the answer styles' readers), parallel.py (which process speaks). All
+Needs: reward.py (the answer styles' readers), tasks.py, parallel.py (which process speaks). All
 engineering around the algorithm: a first reading may skip this file (docs/your-own-model.md tells
 its settings)."""
-import re
 import string
 
 from tqdm import tqdm
 
 import parallel
 import reward
-from reward import DataError, first_line
+import tasks
+from tasks import DataError, first_line
 
 
 def pose_problems(cfg, tok, problems: list[dict], context: int | None = None):
@@ -26,7 +26,7 @@ def pose_problems(cfg, tok, problems: list[dict], context: int | None = None):
     if cfg.chat and not getattr(tok, "chat_template", None):
         raise DataError(f"--chat: the tokenizer of --model {cfg.model!r} has no chat template; "
                         "leave out --chat and write the prompt with --prompt-template")
-    if cfg.answer != "hash" and reward.is_math(problems):
+    if cfg.answer != "hash" and tasks.is_math(problems):
         raise DataError(f"--answer {cfg.answer}: only for GSM8K-format data and arith; MATH is "
                         "graded by its own rules (its \\boxed{} answer)")
     template = cfg.prompt_template or ("{question}" if cfg.chat else None)
@@ -191,57 +191,6 @@ def end_of_turn(tok) -> int | None:
     after = tok(text.split(marker)[-1], add_special_tokens=False).input_ids
     return (after[0] if after and after[0] in tok.all_special_ids + list(tok.added_tokens_decoder)
             else None)
-
-
-def sft_target(answer: str, style: str = "hash", chat: bool = False) -> str:
-    """The SFT response of the reference: '\\n' + answer without <<calculator>> notes + '\\n'; its
-    final '#### N' written 'The answer is \\boxed{N}.' in the boxed style; a chat turn without the
-    newlines."""
-    text = re.sub(r"<<[^>]*>>", "", answer)
-    if style == "boxed" and "####" in text:
-        head, _, number = text.rpartition("####")
-        text = head + f"The answer is \\boxed{{{number.strip()}}}."
-    return text.strip("\n") if chat else "\n" + text + "\n"
-
-
-def sft_example(tok, prompt: str, answer: str, style: str = "hash", chat: bool = False,
-                prompt_ids: list[int] | None = None,
-                end_id: int | None = None) -> tuple[list[int], int]:
-    """(prompt + response + end-of-turn ids, prompt length: SFT's loss is on the response, as the
-    reference's MLEDataCollator in trainers/mle_trainer.py masks the query), the response
-    tokenized after the prompt (alone, SentencePiece would start it with a '▁'), or alone where
-    the two merge (BPE).
-    prompt_ids: the prompt as sampling starts from it (default: encode_prompt);
-    end_id: default EOS."""
-    prompt_ids = encode_prompt(tok, prompt) if prompt_ids is None else prompt_ids
-    target = sft_target(answer, style, chat)
-    prompt_text_ids = tok(prompt, add_special_tokens=False).input_ids
-    joint = tok(prompt + target, add_special_tokens=False).input_ids
-    if joint[: len(prompt_text_ids)] == prompt_text_ids:
-        response = joint[len(prompt_text_ids):]
-    else:
-        response = tok(target, add_special_tokens=False).input_ids
-    return prompt_ids + response + [tok.eos_token_id if end_id is None else end_id], len(prompt_ids)
-
-
-def sft_examples(tok, problems: list[dict], max_tokens: int,
-                 chat: bool = False) -> list[tuple[list[int], int]]:
-    """(ids, prompt length) of the SFT examples no longer than the longest sequence RL holds,
-    max_tokens = --max-prompt-tokens + --max-new-tokens: SFT never needs more memory than RL for
-    one."""
-    end = stop_ids(tok, None, chat)[0]  # the id a turn ends in, as sampling stops at it
-    examples = [sft_example(tok, p["prompt"], p.get("demonstration", p["answer"]),
-                            p.get("style", "hash"), chat, p["prompt_ids"], end)
-                for p in problems]
-    kept = [(ids, n_prompt) for ids, n_prompt in examples if len(ids) <= max_tokens]
-    if not kept:
-        raise DataError(f"--max-prompt-tokens + --max-new-tokens = {max_tokens}: every training "
-                        "problem's SFT example (prompt and solution) is longer")
-    if len(kept) < len(examples) and parallel.rank() == 0:
-        tqdm.write(f"sft: skipped {len(examples) - len(kept)} of {len(examples)} training "
-                   "problems: prompt and solution over --max-prompt-tokens + --max-new-tokens = "
-                   f"{max_tokens} tokens")
-    return kept
 
 
 def no_answer_warning(texts: list[str], style: str, math: bool, where: str) -> str | None:

@@ -1,7 +1,9 @@
-"""How train.py's settings are declared, shown and checked. A setting is a Config field made by
-arg() with a rule: (a test, the words for what it expects); --help shows the words, parse_args runs
-the test. Also the settings a run ignores, and the one-line refusal. Needs no sibling. All
-engineering: a first reading may skip this file."""
+"""How train.py's settings are declared, shown and checked.
+
+A setting is a Config field made by arg() with a rule: (a test, the words for what it expects);
+--help shows the words, parse_args runs the test. Also the settings that cannot go together,
+those a run ignores, and the one-line refusal. Needs no sibling. All engineering: a first reading
+may skip this file."""
 import dataclasses
 import re
 import sys
@@ -81,6 +83,35 @@ def check(f: dataclasses.Field, v, error):
     test, expected = f.metadata["valid"] or (lambda v: True, "")
     if not test(v):
         error(f"{flag} {v!r}: expected {expected}")
+
+
+def refuse_conflicts(cfg, error):
+    """A refusal (error: one line, exit 2) for settings that each pass their rule but cannot go
+    together."""
+    if cfg.resume and cfg.overwrite:
+        error("--resume and --overwrite: pick one (--resume continues the run, --overwrite "
+              "replaces it)")
+    if not cfg.arith_traps and int(cfg.arith_steps.split("-")[1]) > 8:  # totals 0-9 unwrapped
+        error(f"--arith-steps {cfg.arith_steps}: at most 8 steps without --arith-traps")
+    if 0 < cfg.mc_max_rollouts < cfg.mc_rollouts:
+        error(f"--mc-max-rollouts {cfg.mc_max_rollouts}: below --mc-rollouts {cfg.mc_rollouts} "
+              "(round 1)")
+    if cfg.mc_top_up and (not cfg.mc_reuse or cfg.mc_max_rollouts):
+        error("--mc-top-up counts the responses as continuations: it needs --mc-reuse, not "
+              "--mc-max-rollouts")
+    if cfg.system and not cfg.chat:
+        error("--system: a system turn needs --chat (the tokenizer's chat template)")
+    if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
+        error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
+    if cfg.critic_warmup and cfg.algo not in ("ppo", "tppo"):
+        error(f"--critic-warmup {cfg.critic_warmup}: only ppo and tppo have a critic to warm up; "
+              f"under {cfg.algo} the policy would stand still for {cfg.critic_warmup} iterations")
+    if cfg.critic_warmup and cfg.critic_warmup >= cfg.iterations > 0:
+        error(f"--critic-warmup {cfg.critic_warmup}: at least --iterations {cfg.iterations}; "
+              "the policy would never train (give fewer warm-up iterations or more iterations)")
+    if cfg.algo == "grpo" and cfg.samples_per_prompt == 1:
+        error("--samples-per-prompt 1: GRPO's advantage is a reward less its group's mean, "
+              "always 0 in a group of one; give at least 2")
 
 
 def ignored(cfg) -> dict:

@@ -1,12 +1,9 @@
-"""Everything before the first iteration: process, precision, output directory, data, models (SFT
-warm start, frozen reference, critic) and optimizers; on --resume, all of it as the last checkpoint
-left it. --precision bf16 is autocast over fp32 master weights (the reference's bf16 DeepSpeed
-setup), on CPUs too.
+"""Everything before the first iteration, or on --resume all of it as the last checkpoint left it.
 
-Needs: checkpoint.py, parallel.py, ppo.py (Learner), prompts.py (prompts, SFT examples), reward.py
-(data), rollout.py (padding), value.py (Critic). All engineering around the algorithm (the SFT warm
-start: the loss on the solution's tokens only, as the reference's trainers/mle_trainer.py): a first
-reading may skip this file."""
+The process and its precision, the output directory and its lock, the data, the models (the SFT
+warm start, the frozen reference, the critic) and their optimizers.
+Needs: checkpoint.py, models.py, sft.py, tasks.py, prompts.py, parallel.py, ppo.py (Learner),
+value.py (Critic). All engineering: a first reading may skip this file."""
 import copy
 import fcntl
 import math
@@ -14,7 +11,6 @@ import os
 import random
 import shutil
 import socket
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -23,41 +19,17 @@ from tqdm import tqdm
 
 import checkpoint
 import generation
+import models
 import parallel
 import ppo
 import prompts
-import reward
-import rollout
+import sft
+import tasks
 import value
-from reward import DataError, first_line
+from tasks import DataError, first_line
 
-PRECISIONS = ("fp32", "bf16")
 # so DDP and FSDP take it
 RECOMPUTE = dict(activation_checkpointing_kwargs={"use_reentrant": False})
-
-
-def default_precision(device: torch.device) -> str:
-    """bf16 on CUDA (the reference's); fp32 elsewhere: the CPU demo keeps its exact numbers."""
-    return "bf16" if device.type == "cuda" else "fp32"
-
-
-def autocast(device: torch.device, precision: str):
-    assert precision in PRECISIONS, precision
-    return (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
-            else nullcontext())
-
-
-def cast_linear_weights(model, precision: str):
-    """bf16: a frozen model's nn.Linear weights in bf16, which autocast casts anyway: the same
-    numbers (KL 0 at equal weights) in half the memory. Not model.to(bf16): norms and RoPE would
-    round too."""
-    if precision == "bf16":
-        embedding = model.get_input_embeddings().weight
-        for module in model.modules():
-            # a tied one is read uncast
-            if isinstance(module, nn.Linear) and module.weight is not embedding:
-                module.to(torch.bfloat16)
-    return model
 
 
 def start_process(cfg):
@@ -75,8 +47,9 @@ def start_process(cfg):
                    "torchrun)")
     random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)  # processes sample different responses
-    cfg.precision = cfg.precision or default_precision(device)
-    return rank, world, device, autocast(device, cfg.precision)  # every forward pass
+    cfg.precision = cfg.precision or models.default_precision(device)
+    models.warn_if_bf16_is_emulated(device, cfg.precision)
+    return rank, world, device, models.autocast(device, cfg.precision)  # every forward pass
 
 
 @dataclass
@@ -107,7 +80,8 @@ def start_run(cfg, device, autocast) -> Run:
     sft_reference = ref if cfg.sft_steps and state is None else None  # made by this run's SFT
     begin_writing(cfg, state, rows, sft_reference, tok)
     ref.eval().requires_grad_(False)
-    cast_linear_weights(ref, cfg.precision)  # computes as the policy does: KL 0 at equal weights
+    # the reference computes as the policy does: KL 0 at equal weights
+    models.cast_linear_weights(ref, cfg.precision)
     return Run(tok, train_set, eval_set, ref, learners[0],
                critic=learners[1] if len(learners) > 1 else None,
                iterations_done=None if state is None else state["iteration"])
@@ -121,11 +95,11 @@ def load_run(cfg, device, autocast):
     go_offline_without_hub(cfg)
     task = dict(steps=cfg.arith_steps, traps=cfg.arith_traps,
                 hold_out=not cfg.eval_data)  # .jsonl: no overlap
-    train_set = reward.load_problems(cfg.data, "train", slip=cfg.arith_slip, **task)
-    eval_set = reward.load_problems(cfg.eval_data or cfg.data, "test",
+    train_set = tasks.load_problems(cfg.data, "train", slip=cfg.arith_slip, **task)
+    eval_set = tasks.load_problems(cfg.eval_data or cfg.data, "test",
                                     flag="--eval-data" if cfg.eval_data else "--data",
                                     **task)[: cfg.eval_problems or None]
-    reward.is_math(train_set + eval_set)  # one format for both: MATH's grader and steps, or GSM8K's
+    tasks.is_math(train_set + eval_set)  # one format for both: MATH's grader and steps, or GSM8K's
     warn_if_trained_on(train_set, eval_set)
     resume_from, state = checkpoint.find_resume(cfg)
     # a row that --resume cannot read refuses it here
@@ -135,7 +109,7 @@ def load_run(cfg, device, autocast):
         policy.activation_checkpointing_enable(**RECOMPUTE)
     context = getattr(policy.config, "max_position_embeddings", None)
     prompts.pose_problems(cfg, tok, train_set + eval_set, context)
-    announce_fork(cfg, policy)
+    models.announce_fork(cfg, policy)
     generation.announce_overridden_settings(policy, parallel.rank())
     train_set, eval_set = (
         prompts.drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
@@ -143,7 +117,7 @@ def load_run(cfg, device, autocast):
     fit_prompts_per_iter(cfg, len(train_set))
     # the KL reference and the critic start from the SFT policy
     if cfg.sft_steps and not resume_from:
-        sft_warm_start(policy, tok, train_set, cfg, device, autocast)
+        sft.sft_warm_start(policy, tok, train_set, cfg, device, autocast)
         ref.load_state_dict(parallel.full_state_dict(policy))
         if not all(torch.isfinite(w).all() for w in ref.state_dict().values()):
             raise DataError(f"--sft-lr {cfg.sft_lr}: the weights are no longer finite after SFT; "
@@ -196,7 +170,7 @@ def check_out_apart_from_model(cfg):
     """--out may not be the --model directory nor inside it, nor hold it where the run writes or
     removes (OUT/checkpoint after --overwrite): the run would write over the model it starts from,
     or delete it."""
-    model = checkpoint.ALIASES.get(cfg.model, cfg.model)
+    model = models.ALIASES.get(cfg.model, cfg.model)
     if model == "tiny" or not os.path.isdir(model):
         return
     out, model = os.path.realpath(cfg.out), os.path.realpath(model)
@@ -274,34 +248,34 @@ def lock_out(out: str):
 def load_policy_and_reference(cfg, resume_from: str | None, device):
     """(tokenizer, policy, reference): on resume the reference is OUT/reference (after SFT) or the
     start."""
-    name = checkpoint.ALIASES.get(cfg.model, cfg.model)
+    name = models.ALIASES.get(cfg.model, cfg.model)
     if name == "tiny":
         name = os.path.join(cfg.out, "tiny-init")
         # built beside an earlier run's, which --overwrite replaces (begin_writing)
         if not resume_from:
             name = build_tiny(name + ".tmp", cfg.seed)
-    tok, policy = checkpoint.load_model(resume_from or name, device, cfg.trust_remote_code,
+    tok, policy = models.load_model(resume_from or name, device, cfg.trust_remote_code,
                                         bool(resume_from))
     if not resume_from:
         return tok, policy, copy.deepcopy(policy)
     ref_path = os.path.join(cfg.out, "reference") if cfg.sft_steps else name
     # OUT/reference, OUT/tiny-init: the run's own
     in_out = ref_path.startswith(os.path.join(cfg.out, ""))
-    return tok, policy, checkpoint.load_model(ref_path, device, cfg.trust_remote_code, in_out)[1]
+    return tok, policy, models.load_model(ref_path, device, cfg.trust_remote_code, in_out)[1]
 
 
 tiny_in_progress = None  # OUT/tiny-init.tmp while this process builds it, until the run begins
 
 
 def build_tiny(path: str, seed: int) -> str:
-    """checkpoint.build_tiny_model at path, written by the first process; a failed write is one
+    """models.build_tiny_model at path, written by the first process; a failed write is one
     line."""
     global tiny_in_progress
     if parallel.rank() == 0:
         tiny_in_progress = path  # built under this run's lock of --out (prepare_out came first)
         try:
             shutil.rmtree(path, ignore_errors=True)  # a start that was stopped
-            checkpoint.build_tiny_model(path, seed)
+            models.build_tiny_model(path, seed)
         except Exception as e:  # a full disk, no permission (safetensors raises its own error)
             shutil.rmtree(path, ignore_errors=True)
             raise OSError(f"cannot write {path} ({first_line(e)})") from None
@@ -335,7 +309,7 @@ def go_offline_without_hub(cfg):
     hub first, and if it cannot be reached they run offline (cached files only, a missing one fails
     at once)."""
     from huggingface_hub import constants, get_session
-    model = checkpoint.ALIASES.get(cfg.model, cfg.model)
+    model = models.ALIASES.get(cfg.model, cfg.model)
     needs_hub = ((model != "tiny" and not os.path.exists(model))
                  or {"gsm8k", "math"} & {cfg.data, cfg.eval_data})
     if not needs_hub or constants.HF_HUB_OFFLINE:
@@ -350,55 +324,6 @@ def go_offline_without_hub(cfg):
                    "cached files only")
 
 
-def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
-    """Supervised warm start on the gold (or demonstration) solutions: a loss on their response
-    tokens only."""
-    rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
-    rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
-    max_tokens = cfg.max_prompt_tokens + cfg.max_new_tokens
-    examples, skipped = prompts.sft_examples(tok, problems, max_tokens, cfg.chat), 0
-    policy.train()
-    optim = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
-    for step in tqdm(range(steps), desc="sft", disable=rank != 0):
-        batch = rng.sample(examples, min(cfg.sft_batch, len(examples)))[rank::world]
-        ids, mask = rollout.pad_right([seq for seq, _ in batch], rollout.pad_id(tok), device)
-        labels = ids.masked_fill(mask == 0, -100)
-        for i, (_, n_prompt) in enumerate(batch):
-            labels[i, :n_prompt] = -100  # the loss covers the response only
-        for group in optim.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / 20) * (1 - step / steps)
-        # the token mean of the whole batch: each process's token sum over the global count,
-        # times the processes, since DDP averages their gradients (a mean of per-process means
-        # would not be)
-        n_tokens = parallel.all_reduce_sum((labels[:, 1:] != -100).sum())
-        with autocast:
-            out = model(input_ids=ids, attention_mask=mask, labels=labels,
-                        num_items_in_batch=n_tokens)
-            loss = out.loss * world
-        # a non-finite loss makes a non-finite gradient norm: the step is skipped, as in RL
-        loss.backward()
-        # also leaves no gradient for the first RL step
-        skipped += ppo.optimizer_step(policy, optim) is None
-    policy.eval()  # training mode (dropout) only inside an update
-    if skipped and rank == 0:
-        tqdm.write(f"warning: sft: {skipped} of {steps} steps skipped: non-finite loss or gradient")
-
-
 # ---- the model a user brings: a cache that cannot be forked (its prompts and answers: prompts.py)
-
-
-def announce_fork(cfg, policy):
-    """One line when the policy's KV cache cannot be forked (sliding-window layers, or any the fork
-    does not know): every continuation then encodes its prefix afresh, with the same numbers, more
-    slowly."""
-    device = next(policy.parameters()).device
-    with torch.no_grad():
-        cache = policy(input_ids=torch.ones(1, 2, dtype=torch.long, device=device),
-                       use_cache=True).cache
-    if not generation.forkable(cache) and parallel.rank() == 0:
-        kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [cache])})
-        what = "MC values and sampling" if cfg.algo == "vineppo" else "sampling"
-        tqdm.write(f"--model {cfg.model}: its KV cache ({', '.join(kinds)}) cannot be forked: "
-                   f"{what} encode each state's prefix afresh (the same values, slower)")
 
 

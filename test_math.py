@@ -12,12 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import checkpoint
 import math_grader
-import reward
+import models
+import tasks
 import train
 import vine
-from reward import DataError, is_math, load_problems, math_answers, math_reward, read_jsonl
+from tasks import DataError, is_math, load_problems, read_jsonl
+from reward import math_answers, math_reward
 from test_realpath import SMALL, llama_style_tokenizer  # SMALL: two iterations, tiny sizes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -468,7 +469,7 @@ def test_valid_but_hostile_json_is_refused_naming_file_and_line(tmp_path, name, 
         load_problems(str(path), "test", hold_out=True)
     assert "\n" not in str(error.value)
     # deep.jsonl's first line: not MATH's
-    assert reward.is_math_data(str(path)) == (name == "math.jsonl")
+    assert tasks.is_math_data(str(path)) == (name == "math.jsonl")
 
 
 @pytest.mark.slow
@@ -488,7 +489,7 @@ def test_train_refuses_hostile_json_in_one_line(tmp_path):
 
 def test_math_settings_apply_where_the_user_sets_nothing():
     paper = train.parse_args(["--model", "rho-math-1.1b", "--data", "math"])
-    assert paper.model == checkpoint.MATH_ALIASES["rho-math-1.1b"] == "realtreetune/rho-1b-sft-MATH"
+    assert paper.model == models.MATH_ALIASES["rho-math-1.1b"] == "realtreetune/rho-1b-sft-MATH"
     assert (paper.iterations, paper.max_value_states, paper.eval_samples) == (1000, 0, 16)
     gsm8k = train.parse_args(["--model", "rho-math-1.1b", "--data", "gsm8k"])
     # as before

@@ -6,6 +6,7 @@ import gc
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 
@@ -18,8 +19,8 @@ import batching
 import bench
 from test_vine import SMALL  # the tiny settings of test_vine's smoke runs
 import generation
+import models
 import ppo
-import start
 import rollout
 import value
 
@@ -28,7 +29,7 @@ CPU = torch.device("cpu")
 
 
 def bf16():
-    return start.autocast(CPU, "bf16")
+    return models.autocast(CPU, "bf16")
 
 
 def llama(tied=False, seed=0):
@@ -53,15 +54,37 @@ def random_seqs(lengths, seed=1):
 # ---- A. the precision setting -------------------------------------------------------------
 
 def test_autocast_context_and_defaults():
-    with start.autocast(CPU, "bf16"):
+    with models.autocast(CPU, "bf16"):
         assert (torch.is_autocast_enabled("cpu")
                 and torch.get_autocast_dtype("cpu") == torch.bfloat16)
-    with start.autocast(CPU, "fp32"):
+    with models.autocast(CPU, "fp32"):
         assert not torch.is_autocast_enabled("cpu")
-    assert start.default_precision(torch.device("cuda")) == "bf16"
-    assert start.default_precision(CPU) == "fp32"
+    assert models.default_precision(torch.device("cuda")) == "bf16"
+    assert models.default_precision(CPU) == "fp32"
     with pytest.raises(AssertionError):
-        start.autocast(CPU, "fp16")
+        models.autocast(CPU, "fp16")
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_of(monkeypatch, capsys):
+    """The warning comes exactly when bf16 is asked on a CPU that lacks the instructions."""
+    for has, precision, device, warned in [(False, "bf16", CPU, True), (True, "bf16", CPU, False),
+                                           (False, "fp32", CPU, False),
+                                           (False, "bf16", torch.device("cuda"), False)]:
+        monkeypatch.setattr(models, "cpu_has_bf16", lambda: has)
+        models.warn_if_bf16_is_emulated(device, precision)
+        assert ("--precision bf16: this CPU has neither" in capsys.readouterr().out) == warned
+
+
+def test_the_bf16_check_agrees_with_the_cpus_own_flags():
+    """On Linux, torch's answer agrees with /proc/cpuinfo: yes with AVX512-BF16 or AMX, no
+    without AVX-512."""
+    if not os.path.exists("/proc/cpuinfo") or platform.machine() != "x86_64":
+        pytest.skip("reads the x86 flags of Linux's /proc/cpuinfo")
+    flags = set(open("/proc/cpuinfo").read().split())
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        assert models.cpu_has_bf16()
+    if not flags & {"avx512bw", "amx_bf16"}:
+        assert not models.cpu_has_bf16()
 
 
 # ---- B. the value head in fp32 --------------------------------------------------------------
@@ -127,7 +150,7 @@ def test_bce_gradient_reaches_the_head_output_at_the_last_response_token(model, 
 @pytest.mark.parametrize("tied", [False, True])
 def test_reference_logprobs_equal_the_policy_under_autocast(tied):
     policy = llama(tied)
-    ref = start.cast_linear_weights(copy.deepcopy(policy), "bf16")
+    ref = models.cast_linear_weights(copy.deepcopy(policy), "bf16")
     seqs = random_seqs([200, 150], seed=4)  # long: RoPE's angles at late positions matter
     ids, mask = rollout.pad_right(seqs, 0)
     with torch.no_grad(), bf16():
@@ -146,7 +169,7 @@ def test_reference_logprobs_equal_the_policy_under_autocast(tied):
 
 
 def test_fp32_leaves_the_reference_alone(model):
-    ref = start.cast_linear_weights(copy.deepcopy(model), "fp32")
+    ref = models.cast_linear_weights(copy.deepcopy(model), "fp32")
     assert all(p.dtype == torch.float32 for p in ref.parameters())
 
 
@@ -194,7 +217,7 @@ def test_fork_buffers_take_the_autocast_dtype(model):
     seqs = random_seqs([30, 17])
     ids, mask = rollout.pad_right(seqs, 0)
     for context, dtype in [(bf16, torch.bfloat16),
-                           (lambda: start.autocast(CPU, "fp32"), torch.float32)]:
+                           (lambda: models.autocast(CPU, "fp32"), torch.float32)]:
         with torch.no_grad(), context():
             _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
             _, _, forked = rollout.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5, pad_id=0)
@@ -324,7 +347,7 @@ def test_gather_fork_equals_copy_fork(model, autocast):
     ids, mask = rollout.pad_right(seqs, 0)
     rows, ends = [0, 2, 1, 0, 1], [7, 11, 6, 16, 9]
     prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
-    with torch.no_grad(), (bf16() if autocast else start.autocast(CPU, "fp32")):
+    with torch.no_grad(), (bf16() if autocast else models.autocast(CPU, "fp32")):
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
         copied = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
         gathered = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
@@ -503,8 +526,7 @@ def test_mc_token_count_hand_case(tmp_path):
     """One problem, response '\\na\\nb\\n#### 1\\n' + EOS (13 char tokens), steps at tokens 0 and 2:
     per iteration 2 responses of 13; MC 3 x (13 from the prompt, once, + 2 x 11 from step 2)."""
     from transformers import AutoTokenizer
-    import checkpoint
-    checkpoint.build_tiny_model(str(tmp_path), seed=0)
+    models.build_tiny_model(str(tmp_path), seed=0)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     problems = [{"question": "Q?", "answer": "a\nb\n#### 1"}]
     counted = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3)
@@ -594,7 +616,7 @@ def test_the_gpu_reports_32k_tokenizer():
     """The GPU's tokenizer (the smoke run makes a 2,048 one): 32,000 entries, Llama's specials
     first, the fixture's text round-trips, and one filler in 25 ends in a newline (a step for a
     random model)."""
-    problems = bench.reward.read_jsonl(bench.FIXTURE)
+    problems = bench.tasks.read_jsonl(bench.FIXTURE)
     texts = [bench.reward.PROMPT.format(question=p["question"]) for p in problems]
     tok = bench.tokenizer_32k(texts, 32000, 25)
     vocab = tok.get_vocab()

@@ -8,16 +8,19 @@ import sys
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as token_models
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaTokenizer,
                           PreTrainedTokenizerFast)
 
-import checkpoint
 import generation
+import models
 import rollout
 import vine
-from prompts import encode_prompt, sft_example, sft_target
-from reward import ARITH_PROMPT, PROMPT, STOP, arith_dataset, gsm8k_reward, read_jsonl
+from prompts import encode_prompt
+from sft import sft_example, sft_target
+from tasks import arith_dataset, read_jsonl
+from reward import ARITH_PROMPT, PROMPT, STOP, gsm8k_reward
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = read_jsonl(os.path.join(HERE, "fixtures", "gsm8k_sample.jsonl"))  # 55 real GSM8K problems
@@ -39,7 +42,7 @@ def llama_style_tokenizer(texts: list[str], vocab_size: int = 800) -> LlamaToken
     with <unk>, <s>, </s> and the 256 byte tokens first, as in Llama. The BPE is trained here on
     `texts` without newlines, so '\\n' is always the byte token <0x0A>, as in Llama; rare characters
     (limit_alphabet) fall back to bytes too."""
-    bpe = Tokenizer(models.BPE())
+    bpe = Tokenizer(token_models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always",
                                                  split=True)
     lines = [line for text in texts for line in text.split("\n")]
@@ -55,7 +58,7 @@ def llama_style_tokenizer(texts: list[str], vocab_size: int = 800) -> LlamaToken
 def byte_level_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     """A byte-level BPE whose pre-tokenizer (Llama-3's rule for punctuation) keeps ':\\n'
     together."""
-    tk = Tokenizer(models.BPE())
+    tk = Tokenizer(token_models.BPE())
     tk.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s+|\p{L}+|\p{N}"),
                              behavior="isolated"),
@@ -80,7 +83,7 @@ def byte_tok():
 @pytest.fixture(scope="module")
 def char_tok(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    checkpoint.build_tiny_model(str(path), seed=0)  # the demo's character-level tokenizer
+    models.build_tiny_model(str(path), seed=0)  # the demo's character-level tokenizer
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-import checkpoint
+import models
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Use it in your own trainer"
@@ -96,7 +96,7 @@ def check_step_advantages(out: dict):
 
 
 def test_the_readme_snippet_runs_from_the_files_it_names(tmp_path):
-    out = run_snippet(tmp_path, lambda folder: checkpoint.build_tiny_model(folder, seed=0))
+    out = run_snippet(tmp_path, lambda folder: models.build_tiny_model(folder, seed=0))
     check_step_advantages(out)
     # not all 0 or 1: a real test of the sums
     assert 0 < out["values"][0][0] < 1 or 0 < out["values"][1][1] < 1

@@ -17,11 +17,13 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint
+import models
 import prompts
+import sft
 import start
 import test_vine
 import train
-from reward import DataError
+from tasks import DataError
 from test_vine import HERE, OFFLINE, SMALL, numbers, run_train
 
 # ---- the checkpoint rotation, killed at every step --------------------------------------------
@@ -34,8 +36,8 @@ class Killed(BaseException):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny"))
-    checkpoint.build_tiny_model(path, seed=0)
-    return checkpoint.load_model(path, "cpu")  # (tokenizer, model)
+    models.build_tiny_model(path, seed=0)
+    return models.load_model(path, "cpu")  # (tokenizer, model)
 
 
 def save(out, tiny, iteration: int):
@@ -303,7 +305,7 @@ def test_a_damaged_checkpoint_is_named_as_the_runs_not_as_model(tmp_path, tiny):
     for path in (tmp_path / "checkpoint", tmp_path / "reference"):
         with pytest.raises(DataError,
                            match=rf"^--resume: {path} cannot be loaded \(.+\); --overwrite starts"):
-            checkpoint.load_model(str(path), "cpu", resuming=True)
+            models.load_model(str(path), "cpu", resuming=True)
     (tmp_path / "checkpoint" / "critic").mkdir()  # a PPO checkpoint whose critic is damaged
     with pytest.raises(DataError, match=r"^--resume: .*critic cannot be loaded"):
         checkpoint.load_critic(str(tmp_path / "checkpoint"), "cpu")
@@ -335,21 +337,21 @@ def test_sft_examples_capped_at_what_rl_holds_with_a_count(tiny, capsys):
                 {"prompt": "What is 2+2?\n", "answer": "2+2=4\n" * 2000 + "#### 4"}]
     for p in problems:
         p["prompt_ids"] = prompts.encode_prompt(tok, p["prompt"])
-    examples = prompts.sft_examples(tok, problems, max_tokens=1576)
+    examples = sft.sft_examples(tok, problems, max_tokens=1576)
     (ids, _), = examples
-    assert examples == prompts.sft_examples(tok, problems[:1], 1576) and len(ids) <= 1576
+    assert examples == sft.sft_examples(tok, problems[:1], 1576) and len(ids) <= 1576
     assert ("sft: skipped 1 of 2 training problems: prompt and solution over --max-prompt-tokens + "
             "--max-new-tokens = 1576 tokens") in capsys.readouterr().out
     with pytest.raises(DataError,
                        match=r"--max-new-tokens = 20: every training problem's SFT example"):
-        prompts.sft_examples(tok, problems, max_tokens=20)
+        sft.sft_examples(tok, problems, max_tokens=20)
 
 
 def test_sft_skips_a_non_finite_step_as_rl_does(tmp_path, capsys):
     """A NaN loss at the first SFT step: that step is skipped and counted, the weights stay finite,
     and the other steps train them."""
-    checkpoint.build_tiny_model(str(tmp_path), seed=0)
-    tok, model = checkpoint.load_model(str(tmp_path), "cpu")
+    models.build_tiny_model(str(tmp_path), seed=0)
+    tok, model = models.load_model(str(tmp_path), "cpu")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     calls = []
 
@@ -365,7 +367,7 @@ def test_sft_skips_a_non_finite_step_as_rl_does(tmp_path, capsys):
     for p in problems:
         p["prompt_ids"] = prompts.encode_prompt(tok, p["prompt"])
     cpu = torch.device("cpu")
-    start.sft_warm_start(model, tok, problems, cfg, cpu, start.autocast(cpu, "fp32"))
+    sft.sft_warm_start(model, tok, problems, cfg, cpu, models.autocast(cpu, "fp32"))
     assert ("warning: sft: 1 of 3 steps skipped: non-finite loss or gradient"
             in capsys.readouterr().out)
     weights = model.state_dict()
@@ -423,7 +425,7 @@ def start_in_process(*args):
     cfg = train.parse_args(list(args))
     cfg.precision, cpu = "fp32", torch.device("cpu")
     try:
-        return start.start_run(cfg, cpu, start.autocast(cpu, "fp32"))
+        return start.start_run(cfg, cpu, models.autocast(cpu, "fp32"))
     finally:
         if start.held_lock is not None:
             start.held_lock.close()
@@ -622,9 +624,9 @@ def test_model_paths_messages_and_a_foreign_trainer_state(tmp_path, tiny, monkey
                           ("runs/x", r"--model 'runs/x': cannot load it \(no local directory of "
                                      "that name, nor on the hub: ")):
         with pytest.raises(DataError, match="^" + message):
-            checkpoint.load_model(name, "cpu")
+            models.load_model(name, "cpu")
     with pytest.raises(DataError, match="^--checkpoint '/gone': no such directory"):
-        checkpoint.load_model("/gone", "cpu", flag="--checkpoint")
+        models.load_model("/gone", "cpu", flag="--checkpoint")
     checkpoint.save_checkpoint(str(tmp_path), tiny[1], tiny[0],
                                {"iteration": 1, "foreign": Foreign()})
     with pytest.raises(DataError) as refused:
@@ -729,7 +731,7 @@ def test_diagnose_settings_are_checked(capsys, args, message):
 
 def test_diagnose_paths_and_counts_are_checked(tmp_path):
     import diagnose
-    checkpoint.build_tiny_model(str(tmp_path / "model"), seed=0)
+    models.build_tiny_model(str(tmp_path / "model"), seed=0)
     (tmp_path / "file").write_text("mine")
     ok = ["--checkpoint", str(tmp_path / "model")]
     for args, message in ((["--checkpoint", "/missing"],
@@ -850,9 +852,9 @@ def test_a_folder_without_a_tokenizer_or_a_gguf_directory_is_said_so(tmp_path, t
     missing = r"\(missing: tokenizer.json, tokenizer_config.json\)"
     with pytest.raises(DataError, match=rf"^--checkpoint 'weights': no tokenizer in it {missing}; "
                                         "a run's checkpoint/ holds them"):
-        checkpoint.load_model("weights", "cpu", flag="--checkpoint")
+        models.load_model("weights", "cpu", flag="--checkpoint")
     with pytest.raises(DataError, match=r"^--resume: weights cannot be loaded \(no tokenizer"):
-        checkpoint.load_model("weights", "cpu", resuming=True)
+        models.load_model("weights", "cpu", resuming=True)
     earlier_run(tmp_path / "run", tiny)
     with pytest.raises(DataError) as refused:
         diagnose.main(["--checkpoint", "run"])
@@ -861,7 +863,7 @@ def test_a_folder_without_a_tokenizer_or_a_gguf_directory_is_said_so(tmp_path, t
                                   "them, with the weights: give run/checkpoint")
     (tmp_path / "x.gguf").mkdir()
     with pytest.raises(DataError, match=r"^--model 'x.gguf': a directory, not a .gguf file$"):
-        checkpoint.load_model("x.gguf", "cpu")
+        models.load_model("x.gguf", "cpu")
 
 
 def no_runs(monkeypatch):

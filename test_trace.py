@@ -9,9 +9,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
 import diagnose
+import models
 import rollout
 import value
-from reward import STOP, DataError, load_problems
+from tasks import DataError, load_problems
+from reward import STOP
 
 PROMPT = "What is 1+2+4-1?\n"
 GOLD = "1+2=3\n3+4=7\n7-1=6\n#### 6"
@@ -26,7 +28,7 @@ CONTINUATIONS = {"": [RIGHT, RIGHT, RIGHT, WRONG],
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny") / "model")
-    checkpoint.build_tiny_model(path, seed=0)
+    models.build_tiny_model(path, seed=0)
     return (path, AutoTokenizer.from_pretrained(path),
             AutoModelForCausalLM.from_pretrained(path).eval())
 

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import batching
 import checkpoint
+import models
 import parallel
 import generation
 import ppo
@@ -25,9 +26,9 @@ import rollout
 import train
 import value
 import vine
-from prompts import sft_target
-from reward import (DataError, arith_dataset, extract_answer, gsm8k_reward, load_problems,
-                    read_jsonl, split_of)
+from sft import sft_target
+from reward import extract_answer, gsm8k_reward
+from tasks import DataError, arith_dataset, load_problems, read_jsonl, split_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -870,6 +871,18 @@ def test_minibatch_gradient_and_losses_do_not_depend_on_the_processes(tmp_path):
     assert sum(counts) == 1
 
 
+def test_a_nonfinite_loss_skips_the_whole_step_in_one_process_too():
+    """One process skips what two under torchrun skip: a NaN old log-prob in one micro-batch makes
+    the policy's gradient non-finite, so its whole step is skipped (counted once), not taken on
+    the other micro-batches; the critic, whose loss is finite, steps."""
+    eps = split_episodes()
+    eps[0].old_logp[0] = float("nan")
+    (policy_grads, critic_grads), stats = minibatch_gradients(eps, "scalar", 2)
+    assert not all(torch.isfinite(g).all() for g in policy_grads)
+    assert all(torch.isfinite(g).all() for g in critic_grads)
+    assert stats["nonfinite_skips"] == 1 and "value_loss" in stats
+
+
 def test_dropout_only_inside_updates():
     """Sampling, old log-probs and MC continuations see no dropout: a model that has it is in
     training mode only inside the SFT and PPO updates."""
@@ -1261,7 +1274,7 @@ def test_gradient_checkpointing_runs(tmp_path, algo):
 def test_gsm8k_format_path_with_local_model_and_jsonl(tmp_path):
     """The paper's code path (a from_pretrained model, GSM8K-format data, paper defaults) on a tiny
     model."""
-    checkpoint.build_tiny_model(str(tmp_path / "model"), seed=0)
+    models.build_tiny_model(str(tmp_path / "model"), seed=0)
     data = tmp_path / "gsm8k_fixture.jsonl"
     problems = [{"question": "Natalia sold 48 clips in April and half as many in May. "
                              "How many in all?",
@@ -1499,7 +1512,7 @@ def test_stop_string_begun_in_the_prefix_ends_the_continuation_whatever_the_batc
     """A stop string begun in the prefix and ended in the continuation cuts it to EOS, finished.
     `generate` stops there ('x a' then 'b'), and the result does not depend on the batch."""
     from reward import STOP
-    checkpoint.build_tiny_model(str(tmp_path), seed=0)  # its character-level tokenizer
+    models.build_tiny_model(str(tmp_path), seed=0)  # its character-level tokenizer
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     model = bigram_llama(tok, {"a": "b", "w": "q", "q": "a", "y": "y"})
     eos, enc = tok.eos_token_id, lambda text: tok(text, add_special_tokens=False).input_ids

@@ -16,11 +16,13 @@ import transformers as hf
 
 import checkpoint
 import generation
+import models
 import ppo
 import prompts
 import reward
 import rollout
-import start
+import sft
+import tasks
 import train
 import vine
 
@@ -55,10 +57,10 @@ def test_the_docs_table_of_answer_styles_is_how_they_grade():
 
 def test_sft_writes_the_chosen_style_and_the_steps_keep_the_answer_in_the_last():
     gold = "2+3=5\n5-1=4\n#### 4"
-    hashed, boxed = prompts.sft_target(gold), prompts.sft_target(gold, "boxed")
+    hashed, boxed = sft.sft_target(gold), sft.sft_target(gold, "boxed")
     assert (hashed == "\n2+3=5\n5-1=4\n#### 4\n"
             and boxed == "\n2+3=5\n5-1=4\nThe answer is \\boxed{4}.\n")
-    assert prompts.sft_target(gold, "boxed", chat=True) == "2+3=5\n5-1=4\nThe answer is \\boxed{4}."
+    assert sft.sft_target(gold, "boxed", chat=True) == "2+3=5\n5-1=4\nThe answer is \\boxed{4}."
     assert [reward.gsm8k_reward(boxed, gold, s) for s in ("hash", "boxed")] == [0.0, 1.0]
     pieces = lambda text, boxed: [text[a:b] for a, b in zip(
         *(lambda s: (s, s[1:] + [len(text)]))(vine.step_starts(list(text), boxed)))]
@@ -96,7 +98,7 @@ CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<
 @pytest.fixture(scope="module")
 def chat_tok(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny"))
-    checkpoint.build_tiny_model(path, seed=0)
+    models.build_tiny_model(path, seed=0)
     tok = hf.AutoTokenizer.from_pretrained(path)
     plain = hf.AutoTokenizer.from_pretrained(path)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -131,10 +133,10 @@ def test_prompt_template_chat_turn_and_style_reach_every_problem(chat_tok):
             and ps[0]["prompt_ids"] == tok(text, add_special_tokens=False).input_ids)
     # the template's ids, no BOS added
     assert ps[0]["prompt_ids"][0] == tok.convert_tokens_to_ids("<|im_start|>")
-    with pytest.raises(reward.DataError,
+    with pytest.raises(tasks.DataError,
                        match="^--chat: the tokenizer of --model 'm' has no chat template"):
         prompts.pose_problems(settings(chat=True), plain, problems())
-    with pytest.raises(reward.DataError, match="^--answer boxed: only for GSM8K-format"):
+    with pytest.raises(tasks.DataError, match="^--answer boxed: only for GSM8K-format"):
         prompts.pose_problems(settings(answer="boxed"), plain, [{**problems()[0], "math": True}])
 
 
@@ -156,7 +158,7 @@ def test_every_end_of_turn_id_stops_and_sft_ends_its_turn_in_the_first(chat_tok)
     assert generation.finish([5, 6, 7, 8], 10, 8) == ([5, 6, 7, 8], True)  # one id, as before
     ps = problems()
     prompts.pose_problems(settings(chat=True, answer="boxed"), tok, ps)
-    ids, n_prompt = prompts.sft_examples(tok, ps, 1000, chat=True)[0]
+    ids, n_prompt = sft.sft_examples(tok, ps, 1000, chat=True)[0]
     assert ids[:n_prompt] == ps[0]["prompt_ids"] and ids[-1] == end
     assert tok.decode(ids[n_prompt:-1]) == "2+3=5\nThe answer is \\boxed{5}."
 
@@ -185,7 +187,7 @@ def test_template_file_and_resume_settings(tmp_path, capsys):
     (tmp_path / "out" / "config.json").write_text(json.dumps(written))
     assert checkpoint.find_resume(train.parse_args(["--out", str(tmp_path / "out"), "--resume"]))[0]
     other = train.parse_args(["--out", str(tmp_path / "out"), "--resume", "--answer", "boxed"])
-    with pytest.raises(reward.DataError, match="written with --answer 'hash', not 'boxed'"):
+    with pytest.raises(tasks.DataError, match="written with --answer 'hash', not 'boxed'"):
         checkpoint.find_resume(other)
 
 
@@ -252,11 +254,11 @@ def test_greedy_continuations_of_every_state_equal_a_fresh_encode(name):
 def test_a_cache_the_fork_cannot_copy_is_announced(capsys):
     config, model_class, kwargs, _ = ARCHITECTURES["mistral-window"]
     model = getattr(hf, model_class)(getattr(hf, config)(**kwargs)).eval()
-    start.announce_fork(types.SimpleNamespace(model="mistral-window", algo="vineppo"), model)
+    models.announce_fork(types.SimpleNamespace(model="mistral-window", algo="vineppo"), model)
     line = capsys.readouterr().out
     assert line.count("\n") == 1 and "DynamicSlidingWindowLayer" in line and "afresh" in line
     config, model_class, kwargs, _ = ARCHITECTURES["llama"]
-    start.announce_fork(types.SimpleNamespace(model="llama", algo="vineppo"),
+    models.announce_fork(types.SimpleNamespace(model="llama", algo="vineppo"),
                         getattr(hf, model_class)(getattr(hf, config)(**kwargs)).eval())
     assert capsys.readouterr().out == ""
 
@@ -287,14 +289,14 @@ def test_dropout_is_off_at_load_so_the_first_ratio_is_exactly_one(tmp_path):
     config = hf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=2, n_positions=64)
     assert config.attn_pdrop == config.resid_pdrop == config.embd_pdrop == 0.1
     hf.GPT2LMHeadModel(config).save_pretrained(tmp_path)
-    checkpoint.build_tiny_model(str(tmp_path / "tok"), 0)  # any tokenizer: the test feeds ids
+    models.build_tiny_model(str(tmp_path / "tok"), 0)  # any tokenizer: the test feeds ids
     for name in os.listdir(tmp_path / "tok"):
         if "token" in name:
             os.replace(tmp_path / "tok" / name, tmp_path / name)
     torch.manual_seed(1)
     # as loaded before: dropout on
     assert first_ratio(hf.GPT2LMHeadModel.from_pretrained(tmp_path)) != 1.0
-    _, model = checkpoint.load_model(str(tmp_path), "cpu")
+    _, model = models.load_model(str(tmp_path), "cpu")
     assert model.config.attn_pdrop == 0.0 and all(m.p == 0 for m in model.modules()
                                                   if isinstance(m, torch.nn.Dropout))
     assert first_ratio(model) == 1.0
@@ -337,7 +339,7 @@ def test_the_real_model_trains_an_iteration_from_its_gguf_file(tmp_path):
     # decoded, no specials
     assert (sample["prompt"].startswith("system\nYou are")
             and sample["prompt"].endswith("assistant\n"))
-    tok, model = checkpoint.load_model(str(tmp_path / "checkpoint"), "cpu")  # a plain directory now
+    tok, model = models.load_model(str(tmp_path / "checkpoint"), "cpu")  # a plain directory now
     assert type(model).__name__ == "LlamaForCausalLM" and tok.eos_token == "<|im_end|>"
 
 
@@ -349,7 +351,7 @@ def test_the_readme_snippet_runs_on_the_real_model(tmp_path):
     import test_snippet
 
     def save(folder):
-        tok, model = checkpoint.load_model(smollm2_gguf(), "cpu")
+        tok, model = models.load_model(smollm2_gguf(), "cpu")
         model.save_pretrained(folder)
         tok.save_pretrained(folder)
     test_snippet.check_step_advantages(test_snippet.run_snippet(tmp_path, save))
@@ -399,7 +401,7 @@ TOO_LONG = [  # (template, the model's context, what the refusal says)
 def test_a_template_too_long_for_the_context_is_refused_before_it_is_encoded(chat_tok):
     counting = Counting(chat_tok[1])  # the tiny model's: a token holds at most 5 characters
     for template, context, says in TOO_LONG:
-        with pytest.raises(reward.DataError) as e:
+        with pytest.raises(tasks.DataError) as e:
             given = {"context": context} if context else {}  # the model's context, if it has one
             prompts.pose_problems(settings(prompt_template=template), counting, problems(), **given)
         assert says in str(e.value) and "\n" not in str(e.value)
@@ -421,7 +423,7 @@ def test_the_template_is_a_format_string_whose_only_field_is_question(chat_tok, 
         err = refusal(capsys, ["--prompt-template", template])
         assert err.startswith(f"error: --prompt-template {template!r}: {says}"), err
         assert "a template holding {question}, its only field ({{ and }} write a brace" in err
-        with pytest.raises(reward.DataError, match="^--prompt-template '"):
+        with pytest.raises(tasks.DataError, match="^--prompt-template '"):
             prompts.pose_problems(settings(prompt_template=template), tiny, problems())
     ps = problems()
     template = "{{{question}}} in \\boxed{{}}: {question}"

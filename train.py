@@ -42,6 +42,7 @@ import torch
 
 import batching
 import checkpoint
+import models
 import parallel
 import ppo
 import prompts
@@ -49,9 +50,10 @@ import reward
 import rollout
 import settings
 import start
+import tasks
 import value
 import vine
-from reward import DataError
+from tasks import DataError
 from settings import above, arg, at_least, between, one_of, ordered
 
 
@@ -165,7 +167,7 @@ class Config:
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
     precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights "
                              "(default: bf16 on CUDA, else fp32)",
-                         one_of("", *start.PRECISIONS))
+                         one_of("", *models.PRECISIONS))
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, "
                                  "replacing its results")
@@ -207,7 +209,7 @@ def main(cfg: Config):
     for it in range((run.iterations_done or 0) + 1, cfg.iterations + 1):
         watch = parallel.Stopwatch(watch)  # the seconds of each phase: the time_* metrics
         # 1-3. prompts (the reference shuffles by seed + iteration), responses, rewards, steps
-        problems = reward.draw_problems(run.train_set, cfg.prompts_per_iter, cfg.seed + it, rank,
+        problems = tasks.draw_problems(run.train_set, cfg.prompts_per_iter, cfg.seed + it, rank,
                                         world)
         with autocast, parallel.unsharded(policy.model):
             episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt,
@@ -330,37 +332,14 @@ def parse_args(argv=None) -> Config:
     argv = settings.join_negative_numbers(sys.argv[1:] if argv is None else argv)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     prompts.read_template_file(given, p.error)
-    math_data = reward.is_math_data(given.get("data", Config.data))
+    math_data = tasks.is_math_data(given.get("data", Config.data))
     tiny = given.get("model", Config.model) == "tiny"
     cfg = Config(**{**(MATH if math_data else {}), **(DEMO if tiny else {}), **given})
     if math_data:  # the reference's SFT checkpoint for MATH
-        cfg.model = checkpoint.MATH_ALIASES.get(cfg.model, cfg.model)
+        cfg.model = models.MATH_ALIASES.get(cfg.model, cfg.model)
     for f in dataclasses.fields(Config):  # every setting against its rule, once, before any work
         settings.check(f, getattr(cfg, f.name), p.error)
-    if cfg.resume and cfg.overwrite:
-        p.error("--resume and --overwrite: pick one (--resume continues the run, --overwrite "
-                "replaces it)")
-    if not cfg.arith_traps and int(cfg.arith_steps.split("-")[1]) > 8:  # totals 0-9 unwrapped
-        p.error(f"--arith-steps {cfg.arith_steps}: at most 8 steps without --arith-traps")
-    if 0 < cfg.mc_max_rollouts < cfg.mc_rollouts:
-        p.error(f"--mc-max-rollouts {cfg.mc_max_rollouts}: below --mc-rollouts {cfg.mc_rollouts} "
-                "(round 1)")
-    if cfg.mc_top_up and (not cfg.mc_reuse or cfg.mc_max_rollouts):
-        p.error("--mc-top-up counts the responses as continuations: it needs --mc-reuse, not "
-                "--mc-max-rollouts")
-    if cfg.system and not cfg.chat:
-        p.error("--system: a system turn needs --chat (the tokenizer's chat template)")
-    if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
-        p.error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
-    if cfg.critic_warmup and cfg.algo not in ("ppo", "tppo"):
-        p.error(f"--critic-warmup {cfg.critic_warmup}: only ppo and tppo have a critic to warm up; "
-                f"under {cfg.algo} the policy would stand still for {cfg.critic_warmup} iterations")
-    if cfg.critic_warmup and cfg.critic_warmup >= cfg.iterations > 0:
-        p.error(f"--critic-warmup {cfg.critic_warmup}: at least --iterations {cfg.iterations}; "
-                "the policy would never train (give fewer warm-up iterations or more iterations)")
-    if cfg.algo == "grpo" and cfg.samples_per_prompt == 1:
-        p.error("--samples-per-prompt 1: GRPO's advantage is a reward less its group's mean, "
-                "always 0 in a group of one; give at least 2")
+    settings.refuse_conflicts(cfg, p.error)  # pairs of settings that cannot go together
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
     if os.environ.get("RANK", "0") == "0":  # torchrun: one process says it
         settings.warn_ignored(cfg, given)
