@@ -1,15 +1,125 @@
-"""How rollout.py calls HF `generate`, and the KV-cache buffers its fork writes into.
+"""VinePPO's environment reset (arXiv 2410.01679v1, §3), and HF `generate` on it.
 
-Engineering under rollout.py, which a first reading may skip:
-- finish: the stop rule (EOS, the stop string, the budget);
-- decoding, generate: generate's settings, the model's own set aside;
-- forkable, fresh_decode: caches that cannot be forked (sliding windows) are encoded afresh;
-- fork_dtype, gather_columns, largest_fork, reused_buffers, PreallocatedLayer: fork's buffers.
+A state's prefix is not encoded again: its keys and values are copied out of the KV cache of the
+pass that encoded it (the old-log-prob pass, or sample's encoding of the prompts), k times, into
+buffers with room to decode on, and `generate` samples on from there.
+
+Read in order: decode_forks, fork, copy_columns, PreallocatedLayer, generate, finish.
+Below the line: generate's settings, the GPU's gather, the reused buffers, caches that cannot be
+forked (encoded afresh).
 """
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
+
+FORK_METHODS = ("copy", "gather")
+
+
+def decode_forks(model, cache, prefixes, rows, k: int, budget: int, sampling,
+                 fork_method: str | None = None, allocate=None):
+    """New ids [n*k][budget] of k forks of each prefix by HF `generate`.
+
+    Prefix j is row rows[j] of `cache`; sampling is a rollout.Sampling. One batch's buffers are
+    alive at a time (allocate: the next batch reuses them)."""
+    if not forkable(cache):  # each prefix encoded afresh: right for any cache, slower
+        return fresh_decode(model, prefixes, k, budget, sampling)
+    ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id, fork_method,
+                             allocate)
+    out = generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
+                   max_new_tokens=budget)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
+         method: str | None = None, allocate=None):
+    """Reset to each prefix k times: ids [n*k, W], their mask, and a cache to decode on.
+
+    Prefix j is row rows[j] of `cache`, the right-padded pass of old_logprobs: its token t's
+    keys and values are in column t. One forked row, W = 6, a prefix of 4 tokens:
+
+        column   0    1    2    3    4    5    6 ...
+        ids      pad  pad  p0   p1   p2   p3
+        mask     0    0    1    1    1    1
+        cache    0    0    kv0  kv1  kv2  [room: p3's and the new tokens' keys, values]
+
+    - left padding: every prefix ends in column W-1, so all forks decode in the same column;
+    - W-1 cached columns: `generate` feeds the last prefix token itself (its logits pick the
+      first new token), so the cache holds the columns before it;
+    - positions from the mask: `generate` numbers a row's tokens by the cumulative sum of its
+      mask, so p0 is position 0 whatever its padding, as in the pass that made the cache.
+    method "copy" (block copies, into buffers from `allocate` when given) or "gather" (the
+    default on a GPU: one indexed read per layer); the two give equal buffers."""
+    device, width = cache.layers[0].keys.device, max(map(len, prefixes))
+    method = method or ("gather" if device.type == "cuda" else "copy")
+    assert method in FORK_METHODS, method
+    ends = [len(p) for p in prefixes for _ in range(k)]  # each fork's prefix length
+    sources = [rows[i // k] for i in range(len(ends))]  # the cache row each fork reads
+    ids = torch.full((len(ends), width), pad_id, device=device)  # [n*k, W]
+    for j, p in enumerate(prefixes):
+        ids[j * k:(j + 1) * k, width - len(p):] = torch.tensor(p, device=device)
+    starts = width - torch.tensor(ends, device=device)[:, None]  # each fork's first column
+    mask = (torch.arange(width, device=device)[None, :] >= starts).long()
+    capacity = width - 1 + new_tokens
+    dtype = fork_dtype(cache, device)
+    forked = DynamicCache()
+    for layer, (keys, values, *_) in enumerate(cache):  # each [B, H, L, D]
+        if method == "gather":
+            key_buffer = gather_columns(keys, sources, ends, width, capacity,
+                                                   dtype)
+            value_buffer = gather_columns(values, sources, ends, width, capacity,
+                                                     dtype)
+        else:
+            key_buffer = copy_columns(keys, sources, ends, width, capacity, dtype,
+                                      allocate, (layer, "keys"))
+            value_buffer = copy_columns(values, sources, ends, width, capacity, dtype,
+                                        allocate, (layer, "values"))
+        forked.layers.append(PreallocatedLayer(key_buffer, value_buffer, width - 1))
+    return ids, mask, forked
+
+
+def copy_columns(x, sources: list[int], ends: list[int], width: int, capacity: int, dtype,
+                 allocate=None, slot=None):
+    """[n*k, H, capacity, D]: fork i's row of x ([B, H, L, D]) as fork draws it, by block
+    copies (on a CPU far faster than a gather); columns from W-1 on are left unwritten."""
+    shape = (len(ends), x.shape[1], capacity, x.shape[3])
+    buffer = allocate(slot, shape, dtype, x.device) if allocate else x.new_empty(shape, dtype=dtype)
+    for i, (row, length) in enumerate(zip(sources, ends)):
+        buffer[i, :, : width - length] = 0  # masked, but 0 * NaN would leak through the mask
+        buffer[i, :, width - length: width - 1] = x[row, :, : length - 1]
+    return buffer
+
+
+class PreallocatedLayer(DynamicLayer):
+    """Cache buffers sized for the whole generation, written in place
+    (DynamicLayer's torch.cat was slow)."""
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
+        super().__init__()
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer  # [B, H, capacity, D]
+        self.keys, self.values = key_buffer[:, :, :length], value_buffer[:, :, :length]
+        self.device, self.is_initialized = key_buffer.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+def generate(model, sampling, **inputs):
+    """HF `generate` with decoding's settings and no others: softmax(logits / T) with top-p
+    (greedy: the argmax), the distribution the log-probs model.
+
+    generate fills every setting a call leaves unset from model.generation_config, even when
+    given a GenerationConfig (repetition_penalty, min_p, top_k, ...): it is set aside."""
+    own, model.generation_config = model.generation_config, GenerationConfig()  # all unset
+    try:
+        return model.generate(**inputs, **decoding(sampling))
+    finally:
+        model.generation_config = own
 
 
 def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None = None,
@@ -38,6 +148,10 @@ def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None
     return seq, bool(seq) and seq[-1] in ends
 
 
+# ---- engineering: generate's settings, the GPU's gather, reused buffers, unforkable caches
+# (skip on a first reading)
+
+
 def decoding(sampling) -> dict:
     """`generate`'s settings for every sampling call.
 
@@ -51,19 +165,6 @@ def decoding(sampling) -> dict:
         return dict(stopping, do_sample=True, temperature=sampling.temperature,
                     top_p=sampling.top_p, top_k=0)
     return dict(stopping, do_sample=False)
-
-
-def generate(model, sampling, **inputs):
-    """HF `generate` with decoding's settings and no others: softmax(logits / T) with top-p
-    (greedy: the argmax), the distribution the log-probs model.
-
-    generate fills every setting a call leaves unset from model.generation_config, even when
-    given a GenerationConfig (repetition_penalty, min_p, top_k, ...): it is set aside."""
-    own, model.generation_config = model.generation_config, GenerationConfig()  # all unset
-    try:
-        return model.generate(**inputs, **decoding(sampling))
-    finally:
-        model.generation_config = own
 
 
 # generation settings a model may set, at values that leave softmax(logits / T) as is
@@ -94,28 +195,6 @@ def announce_overridden_settings(model, rank: int):
         tqdm.write(f"the model's generation_config sets {shown}: not used; responses, MC "
                    "continuations and evaluation sample softmax(logits / T) with --temperature "
                    "and --top-p (T = 0: greedy)")
-
-
-def forkable(cache) -> bool:
-    """Whether fork can read states out of this cache: every layer a DynamicLayer that holds
-    every position (a sliding-window layer keeps only the last window)."""
-    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer
-                                                   for layer in cache.layers)
-
-
-def fresh_decode(model, prefixes, k: int, budget: int, sampling):
-    """New ids of k continuations of each prefix, encoded afresh by `generate`, those of one
-    length together: no padding (a padded row can turn an eager sliding-window attention's
-    output to NaN)."""
-    device, new = next(model.parameters()).device, [None] * len(prefixes)
-    for length in sorted(set(map(len, prefixes))):
-        same = [j for j, p in enumerate(prefixes) if len(p) == length]
-        ids = torch.tensor([prefixes[j] for j in same for _ in range(k)], device=device)
-        out = generate(model, sampling, input_ids=ids, attention_mask=torch.ones_like(ids),
-                       max_new_tokens=budget)[:, length:].tolist()
-        for i, j in enumerate(same):
-            new[j] = out[i * k:(i + 1) * k]
-    return [row for rows in new for row in rows]
 
 
 def fork_dtype(cache, device):
@@ -164,20 +243,23 @@ def reused_buffers(positions: int):
     return allocate
 
 
-class PreallocatedLayer(DynamicLayer):
-    """Cache buffers sized for the whole generation, written in place
-    (DynamicLayer's torch.cat was slow)."""
+def forkable(cache) -> bool:
+    """Whether fork can read states out of this cache: every layer a DynamicLayer that holds
+    every position (a sliding-window layer keeps only the last window)."""
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer
+                                                   for layer in cache.layers)
 
-    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
-        super().__init__()
-        self.key_buffer, self.value_buffer = key_buffer, value_buffer  # [B, H, capacity, D]
-        self.keys, self.values = key_buffer[:, :, :length], value_buffer[:, :, :length]
-        self.device, self.is_initialized = key_buffer.device, True
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        start = self.keys.shape[-2]
-        end = start + key_states.shape[-2]
-        self.key_buffer[:, :, start:end] = key_states
-        self.value_buffer[:, :, start:end] = value_states
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
-        return self.keys, self.values
+def fresh_decode(model, prefixes, k: int, budget: int, sampling):
+    """New ids of k continuations of each prefix, encoded afresh by `generate`, those of one
+    length together: no padding (a padded row can turn an eager sliding-window attention's
+    output to NaN)."""
+    device, new = next(model.parameters()).device, [None] * len(prefixes)
+    for length in sorted(set(map(len, prefixes))):
+        same = [j for j, p in enumerate(prefixes) if len(p) == length]
+        ids = torch.tensor([prefixes[j] for j in same for _ in range(k)], device=device)
+        out = generate(model, sampling, input_ids=ids, attention_mask=torch.ones_like(ids),
+                       max_new_tokens=budget)[:, length:].tolist()
+        for i, j in enumerate(same):
+            new[j] = out[i * k:(i + 1) * k]
+    return [row for rows in new for row in rows]

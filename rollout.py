@@ -1,27 +1,25 @@
-"""Sampling, and VinePPO's environment reset (arXiv 2410.01679v1, §3).
+"""Sampling responses, their log-probs, and continuations of a state (arXiv 2410.01679v1, §3).
 
 A text environment is reset to a state s_i by feeding its prefix again. The forward pass that
-gives the old log-probs already holds every prefix's keys and values, so here a reset copies a
-prefix's columns of that KV cache, K times, into buffers with room to decode on (fork), and HF
-`generate` samples on from there.
+gives the old log-probs already holds every prefix's keys and values, so continue_from_cache
+resets by copying a prefix's columns of that KV cache, K times (generation.py: the fork), and
+HF `generate` samples on from there. Plain sampling takes the same path: each prompt is encoded
+once, then forked k times.
 
-Read in order: Sampling, Episode, sample_episodes, sample, continue_from_cache, fork,
-old_logprobs, reference_logprobs, token_logprobs, per_response.
-Below the line: small helpers. The stop rule, generate's settings and the fork's buffers are
-in generation.py.
+Read in order: Sampling, Episode, sample_episodes, sample, continue_from_cache (then
+generation.py), old_logprobs, reference_logprobs, token_logprobs, per_response.
+Below the line: small helpers.
 """
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import DynamicCache
 
 import batching
 import generation
 import reward
 
 LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax (a 32k vocabulary: 128 MiB per fp32 copy)
-FORK_METHODS = ("copy", "gather")
 
 
 @dataclass(frozen=True)
@@ -142,9 +140,11 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
     """k continuations of each prefix, and their finished flags (lists [n][k]).
 
     Prefix j is row rows[j] of `cache` (a right-padded pass: its position t in column t).
-    Each continuation stops at an end id, the stop string or its budget (finish), and is
-    finished only when it stopped by itself. The prefixes go to `generate` in batches of
-    least padding; a batch decodes to its largest budget and each row is cut to its own."""
+    - the prefixes go to `generate` in batches of least padding (batching.least_padding);
+    - each batch is forked from the cache and decoded (generation.decode_forks), to the
+      batch's largest budget;
+    - each row is cut to its own budget, at an end id or the stop string (generation.finish),
+      and is finished only when it stopped by itself."""
     if not prefixes:
         return [], []
     budgets = within_context(model, prefixes, budgets)
@@ -156,8 +156,9 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
     allocate = generation.reused_buffers(generation.largest_fork(chunks, prefixes, budgets, k))
     for chunk in chunks:
         budget = max(budgets[j] for j in chunk)
-        new = (decode_forks(model, cache, [prefixes[j] for j in chunk], [rows[j] for j in chunk],
-                            k, budget, sampling, fork_method, allocate)
+        new = (generation.decode_forks(model, cache, [prefixes[j] for j in chunk],
+                                       [rows[j] for j in chunk], k, budget, sampling, fork_method,
+                                       allocate)
                if budget > 0 else [[]] * (len(chunk) * k))
         for i, j in enumerate(chunk):
             results = [generation.finish(seq, budgets[j], sampling.stops, sampling.tokenizer,
@@ -166,78 +167,6 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
             conts[j], finished[j] = [c for c, _ in results], [f for _, f in results]
     model.train(was_training)
     return conts, finished
-
-
-def decode_forks(model, cache, prefixes, rows, k: int, budget: int, sampling: Sampling,
-                 fork_method: str | None = None, allocate=None):
-    """New ids of k forks of each prefix by HF `generate`
-    (one batch's buffers alive, reused by the next)."""
-    if not generation.forkable(cache):  # each prefix encoded afresh: right for any cache, slower
-        return generation.fresh_decode(model, prefixes, k, budget, sampling)
-    ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id, fork_method,
-                             allocate)
-    out = generation.generate(model, sampling, input_ids=ids, attention_mask=mask,
-                              cache=forked, max_new_tokens=budget)
-    return out[:, ids.shape[1]:].tolist()
-
-
-def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
-         method: str | None = None, allocate=None):
-    """Reset to each prefix k times: ids [n*k, W], their mask, and a cache to decode on.
-
-    Prefix j is row rows[j] of `cache`, the right-padded pass of old_logprobs: its token t's
-    keys and values are in column t. One forked row, W = 6, a prefix of 4 tokens:
-
-        column   0    1    2    3    4    5    6 ...
-        ids      pad  pad  p0   p1   p2   p3
-        mask     0    0    1    1    1    1
-        cache    0    0    kv0  kv1  kv2  [room: p3's and the new tokens' keys, values]
-
-    - left padding: every prefix ends in column W-1, so all forks decode in the same column;
-    - W-1 cached columns: `generate` feeds the last prefix token itself (its logits pick the
-      first new token), so the cache holds the columns before it;
-    - positions from the mask: `generate` numbers a row's tokens by the cumulative sum of its
-      mask, so p0 is position 0 whatever its padding, as in the pass that made the cache.
-    method "copy" (block copies, into buffers from `allocate` when given) or "gather" (the
-    default on a GPU: one indexed read per layer); the two give equal buffers."""
-    device, width = cache.layers[0].keys.device, max(map(len, prefixes))
-    method = method or ("gather" if device.type == "cuda" else "copy")
-    assert method in FORK_METHODS, method
-    ends = [len(p) for p in prefixes for _ in range(k)]  # each fork's prefix length
-    sources = [rows[i // k] for i in range(len(ends))]  # the cache row each fork reads
-    ids = torch.full((len(ends), width), pad_id, device=device)  # [n*k, W]
-    for j, p in enumerate(prefixes):
-        ids[j * k:(j + 1) * k, width - len(p):] = torch.tensor(p, device=device)
-    starts = width - torch.tensor(ends, device=device)[:, None]  # each fork's first column
-    mask = (torch.arange(width, device=device)[None, :] >= starts).long()
-    capacity = width - 1 + new_tokens
-    dtype = generation.fork_dtype(cache, device)
-    forked = DynamicCache()
-    for layer, (keys, values, *_) in enumerate(cache):  # each [B, H, L, D]
-        if method == "gather":
-            key_buffer = generation.gather_columns(keys, sources, ends, width, capacity,
-                                                   dtype)
-            value_buffer = generation.gather_columns(values, sources, ends, width, capacity,
-                                                     dtype)
-        else:
-            key_buffer = copy_columns(keys, sources, ends, width, capacity, dtype,
-                                      allocate, (layer, "keys"))
-            value_buffer = copy_columns(values, sources, ends, width, capacity, dtype,
-                                        allocate, (layer, "values"))
-        forked.layers.append(generation.PreallocatedLayer(key_buffer, value_buffer, width - 1))
-    return ids, mask, forked
-
-
-def copy_columns(x, sources: list[int], ends: list[int], width: int, capacity: int, dtype,
-                 allocate=None, slot=None):
-    """[n*k, H, capacity, D]: fork i's row of x ([B, H, L, D]) as fork draws it, by block
-    copies (on a CPU far faster than a gather); columns from W-1 on are left unwritten."""
-    shape = (len(ends), x.shape[1], capacity, x.shape[3])
-    buffer = allocate(slot, shape, dtype, x.device) if allocate else x.new_empty(shape, dtype=dtype)
-    for i, (row, length) in enumerate(zip(sources, ends)):
-        buffer[i, :, : width - length] = 0  # masked, but 0 * NaN would leak through the mask
-        buffer[i, :, width - length: width - 1] = x[row, :, : length - 1]
-    return buffer
 
 
 @torch.no_grad()

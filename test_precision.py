@@ -220,7 +220,8 @@ def test_fork_buffers_take_the_autocast_dtype(model):
                            (lambda: models.autocast(CPU, "fp32"), torch.float32)]:
         with torch.no_grad(), context():
             _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
-            _, _, forked = rollout.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5, pad_id=0)
+            _, _, forked = generation.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5,
+                                           pad_id=0)
         assert {x.dtype for layer in forked.layers for x in (layer.keys, layer.values)} == {dtype}
     # the source cache: what the fork converts from
     assert cache.layers[0].keys.dtype == torch.float32
@@ -236,7 +237,7 @@ def test_forked_logprobs_under_autocast_match_the_full_forward(model):
         full, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
         logits = model(input_ids=ids, attention_mask=mask).logits
         prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
-        fork_ids, attn, forked = rollout.fork(cache, prefixes, rows, 1, 3, pad_id=0)
+        fork_ids, attn, forked = generation.fork(cache, prefixes, rows, 1, 3, pad_id=0)
         for step in range(3):  # feed the true next tokens one at a time
             last = torch.tensor([seqs[r][e - 1 + step] for r, e in zip(rows, ends)])[:, None]
             positions = torch.tensor(ends)[:, None] - 1 + step
@@ -349,12 +350,12 @@ def test_gather_fork_equals_copy_fork(model, autocast):
     prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
     with torch.no_grad(), (bf16() if autocast else models.autocast(CPU, "fp32")):
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
-        copied = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
-        gathered = rollout.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
+        copied = generation.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
+        gathered = generation.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
         greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=2, pad_id=0)
         samples = [rollout.continue_from_cache(model, prefixes, 2, [6] * 5, greedy, cache=cache,
                                                rows=rows, fork_method=method)
-                   for method in rollout.FORK_METHODS]
+                   for method in generation.FORK_METHODS]
     assert samples[0] == samples[1]
     assert torch.equal(copied[0], gathered[0]) and torch.equal(copied[1], gathered[1])
     # the W-1 cached columns (decoding fills the rest)

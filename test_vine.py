@@ -372,7 +372,7 @@ def test_forked_logprobs_equal_full_forward(model):
     full, cache = rollout.token_logprobs(model, ids, mask, 0.6, keep_cache=True)
     rows, ends = [0, 2, 1, 0], [7, 11, 6, 16]
     prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
-    fork_ids, attn, forked = rollout.fork(cache, prefixes, rows, 1, 3, pad_id=0)
+    fork_ids, attn, forked = generation.fork(cache, prefixes, rows, 1, 3, pad_id=0)
     for step in range(3):  # feed the true next tokens one at a time
         last = torch.tensor([seqs[r][e - 1 + step] for r, e in zip(rows, ends)])[:, None]
         out = model(input_ids=last, attention_mask=attn, cache=forked,
