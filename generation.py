@@ -44,8 +44,8 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
         cache    0    0    kv0  kv1  kv2  [room: p3's and the new tokens' keys, values]
 
     - left padding: every prefix ends in column W-1, so all forks decode in the same column;
-    - W-1 cached columns: `generate` feeds the last prefix token itself (its logits pick the
-      first new token), so the cache holds the columns before it;
+    - W-1 cached columns: `generate` feeds the model only the ids past the cache's length, so
+      it feeds the last prefix token itself (its logits pick the first new token);
     - positions from the mask: `generate` numbers a row's tokens by the cumulative sum of its
       mask, so p0 is position 0 whatever its padding, as in the pass that made the cache.
     method "copy" (block copies, into buffers from `allocate` when given) or "gather" (the

@@ -103,7 +103,10 @@ def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: fl
     log_ratio = (logp - old_logp) * mask
     ratio = torch.exp(log_ratio)
     pg_loss = total(torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)))
-    kl = (k3_kl(logp, ref_logp) * mask).clamp(0, 10).sum(-1).sum() / n_responses
+    # k3 of the response's tokens only: elsewhere ref_logp is 0, not a log-prob, and exp(d)
+    # could overflow to inf there, which times the mask's 0 is NaN
+    kl = (k3_kl(torch.where(mask > 0, logp, ref_logp), ref_logp) * mask).clamp(0, 10)
+    kl = kl.sum(-1).sum() / n_responses
     loss = pg_loss + kl_coef * kl
     skipped = bool(masked_mean(ratio, mask) > max_ratio)
     loss = loss * 0.0 if skipped else loss

@@ -322,8 +322,3 @@ def go_offline_without_hub(cfg):
         constants.HF_HUB_OFFLINE = True
         tqdm.write(f"the hub ({constants.ENDPOINT}) cannot be reached ({first_line(e)}): "
                    "cached files only")
-
-
-# ---- the model a user brings: a cache that cannot be forked (its prompts and answers: prompts.py)
-
-

@@ -545,6 +545,23 @@ def test_ppo_loss_hand_example():
     assert st["approx_kl"] == pytest.approx(((0.5 - math.log(1.5)) + (-0.5 - math.log(0.5))) / 2)
 
 
+def test_ppo_loss_ignores_what_lies_outside_the_response():
+    """A prompt token's log-prob of -200 (where ref_logp is collate's 0) changes neither the loss
+    nor its gradient: exp(200) would be inf in fp32, and inf x the mask's 0 is NaN."""
+    old = torch.log(torch.tensor([[0.5, 0.4, 0.6]]))
+    ref = torch.tensor([[0.0, math.log(0.3), math.log(0.5)]])
+    adv, mask = torch.tensor([[0.0, 1.0, -1.0]]), torch.tensor([[0.0, 1.0, 1.0]])
+    results = []
+    for prompt_logp in (-1.0, -200.0):
+        logp = torch.tensor([[prompt_logp, math.log(0.4), math.log(0.6)]], requires_grad=True)
+        loss, _ = ppo.ppo_loss(logp, old, ref, adv, mask, kl_coef=0.1)
+        loss.backward()
+        results.append((loss.item(), logp.grad.tolist()))
+    k3 = [0.3 / 0.4 - math.log(0.3 / 0.4) - 1, 0.5 / 0.6 - math.log(0.5 / 0.6) - 1]
+    assert results[0][0] == pytest.approx((-1.0 + 1.0) / 2 + 0.1 * sum(k3), rel=1e-5)  # ratios 1
+    assert results[1] == results[0] and math.isfinite(results[1][0])
+
+
 def test_ppo_loss_skips_exploded_batch_and_kl_clamp():
     logp, old = torch.zeros(1, 2), torch.full((1, 2), -5.0)  # ratio e^5 > 10
     loss, st = ppo.ppo_loss(logp, old, old, torch.ones(1, 2), torch.ones(1, 2))
