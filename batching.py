@@ -3,22 +3,23 @@ log-prob, value and reference passes cut episodes into forward passes, within a 
 no sibling. All engineering: a first reading may skip this file."""
 
 
-def least_padding(lengths: list[int], budgets: list[int], rows: list[int], max_tokens: int,
+def least_padding(lengths: list[int], budgets: list[int], copies: list[int], max_tokens: int,
                   overhead: int = 0):
-    """Batches (lists of item indices) of least padding plus `overhead` tokens per batch (fewest
-    batches on a tie): item j is rows[j] rows of lengths[j] tokens and room for budgets[j] new ones;
-    a batch costs its rows x (longest length + largest budget) tokens, at most max_tokens (an item
-    over it goes alone). A dynamic programme over the cut points of the items sorted by length:
-    best[i], the cheapest batching of the first i, is best[j] plus the cost of batch j..i-1 at the
-    best j."""
+    """Batches (lists of item indices) of least padding plus `overhead` tokens per batch.
+
+    - item j is copies[j] rows of lengths[j] tokens with room for budgets[j] new ones;
+    - a batch costs its rows x (longest length + largest budget) tokens, at most max_tokens
+      (an item over it goes alone); fewest batches on a tie;
+    - a dynamic programme over the cut points of the items sorted by length: best[i], the
+      cheapest batching of the first i, is best[j] plus the cost of batch j..i-1 at the best j."""
     order = sorted(range(len(lengths)), key=lambda j: (lengths[j], budgets[j]))
     best, cut = [(0, 0)] + [None] * len(order), [0] * (len(order) + 1)  # best[i]: (tokens, batches)
     for i in range(1, len(order) + 1):
         budget = n_rows = filled = 0
         for j in range(i - 1, -1, -1):  # the last batch is order[j:i]: it only grows as j falls
             item = order[j]
-            budget, n_rows = max(budget, budgets[item]), n_rows + rows[item]
-            filled += rows[item] * (lengths[item] + budgets[item])
+            budget, n_rows = max(budget, budgets[item]), n_rows + copies[item]
+            filled += copies[item] * (lengths[item] + budgets[item])
             tokens = n_rows * (lengths[order[i - 1]] + budget)
             if tokens > max_tokens and j < i - 1:
                 break
@@ -32,12 +33,13 @@ def least_padding(lengths: list[int], budgets: list[int], rows: list[int], max_t
     return batches[::-1]
 
 
-def padding_fraction(batches, lengths: list[int], budgets: list[int], rows: list[int]) -> float:
+def padding_fraction(batches, lengths: list[int], budgets: list[int], copies: list[int]) -> float:
     """The share of padding in the tokens of least_padding's batches
     (a batch's rows x its widest)."""
-    total = sum(sum(rows[j] for j in b) * (max(lengths[j] for j in b) + max(budgets[j] for j in b))
-                for b in batches)
-    return 1 - sum(r * (n + b) for r, n, b in zip(rows, lengths, budgets)) / total if total else 0.0
+    total = sum(sum(copies[j] for j in b) * (max(lengths[j] for j in b)
+                                              + max(budgets[j] for j in b)) for b in batches)
+    filled = sum(c * (n + b) for c, n, b in zip(copies, lengths, budgets))
+    return 1 - filled / total if total else 0.0
 
 
 def batch_overhead(model) -> int:

@@ -60,6 +60,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import batching
+import generation
 import math_grader
 import parallel
 import reward
@@ -289,13 +290,13 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
 
     def fork_each(cache):
         for prefix, row in zip(prefixes, rows):
-            rollout.continue_from_cache(model, [prefix], a.k, [a.new_tokens], sampling,
-                                        cache=cache, rows=[row])
+            generation.continue_from_cache(model, [prefix], a.k, [a.new_tokens], sampling,
+                                           cache=cache, rows=[row])
 
     def fork_batch(cache, method="copy"):
         batched = dataclasses.replace(sampling, max_batch_tokens=a.max_batch_tokens)
-        out, done = rollout.continue_from_cache(model, prefixes, a.k, budgets, batched,
-                                                cache=cache, rows=rows, fork_method=method)
+        out, done = generation.continue_from_cache(model, prefixes, a.k, budgets, batched,
+                                                   cache=cache, rows=rows, fork_method=method)
         assert sum(len(c) for cs in out for c in cs) == n_tokens and not any(map(any, done))
 
     mean_len = round(sum(map(len, prefixes)) / len(prefixes))
@@ -305,9 +306,9 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
         floor_cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)[1]
 
     def decode_only():  # every row forks row 0 of floor_cache; one batch, whatever its size
-        rollout.continue_from_cache(model, [floor_prefix] * len(prefixes), a.k, budgets,
-                                    dataclasses.replace(sampling, max_batch_tokens=1 << 62),
-                                    cache=floor_cache, rows=[0] * len(prefixes))
+        generation.continue_from_cache(model, [floor_prefix] * len(prefixes), a.k, budgets,
+                                       dataclasses.replace(sampling, max_batch_tokens=1 << 62),
+                                       cache=floor_cache, rows=[0] * len(prefixes))
 
     methods = {"naive": (naive, lambda: ()), "fork-each": (fork_each, forward),
                "fork-batch": (fork_batch, forward),
@@ -327,8 +328,8 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
     start = time.perf_counter()
     with torch.no_grad(), autocast:
         # warm-up
-        rollout.continue_from_cache(model, [floor_prefix], a.k, [a.new_tokens], sampling,
-                                    cache=floor_cache, rows=[0])
+        generation.continue_from_cache(model, [floor_prefix], a.k, [a.new_tokens], sampling,
+                                       cache=floor_cache, rows=[0])
         runs = paired_runs(order, a.repeats, time_one)
     med = {name: statistics.median(s[i] for s in runs for i, n in enumerate(order) if n == name)
            for name in names}
@@ -483,7 +484,7 @@ def gpu_report(a):
                                  deadline=began + mode["budget_s"])
         run_part(ctx, "environment", environment)
         run_part(ctx, "model_files", model_files)
-        run_part(ctx, "generation", generation)
+        run_part(ctx, "generation", generation_speed)
         report["settings"]["train"].update(choose_new_tokens(ctx))
         for algo in ALGOS:
             run_part(ctx, f"iteration_{algo}",
@@ -591,7 +592,7 @@ def model_files(ctx, result):
                   data=os.path.relpath(FIXTURE))
 
 
-def generation(ctx, result):
+def generation_speed(ctx, result):
     """Tokens/s of plain sampling and of the fork benchmark, in train.py's precision (bf16 autocast
     over fp32 weights); plain sampling once more with the weights themselves in bf16."""
     shape, fork, train = ctx.mode["shape"], ctx.mode["fork"], ctx.mode["train"]

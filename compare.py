@@ -234,7 +234,7 @@ def given_flags(words: list[str]) -> list[str]:
     """The train.py flags that `words` give, as argparse reads them.
     So an abbreviation (--se 5) or --seed=5 counts as --seed.
     """
-    p = train.command_line(add_help=False)
+    p = settings.command_line(train.Config, train.PRESETS, train.__doc__, add_help=False)
     p.error = refuse  # a malformed line: train.py's own check says why
     try:
         known, _ = p.parse_known_args(settings.join_negative_numbers(words))

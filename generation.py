@@ -1,19 +1,60 @@
 """VinePPO's environment reset (arXiv 2410.01679v1, §3), and HF `generate` on it.
 
-A state's prefix is not encoded again: its keys and values are copied out of the KV cache of the
-pass that encoded it (the old-log-prob pass, or sample's encoding of the prompts), k times, into
-buffers with room to decode on, and `generate` samples on from there.
+A continuation of a prefix is, by definition, what `generate` samples after the prefix is
+encoded (fresh_decode, at the end, does just that). Here the prefix is not encoded again: its
+keys and values are copied out of the KV cache of the pass that encoded it (the old-log-prob
+pass, or sample's encoding of the prompts), k times, into buffers with room to decode on, and
+`generate` samples on from there: greedy, the same tokens as `generate` on the prefix alone
+(test_your_model.py: test_greedy_continuations_of_every_state_equal_a_fresh_encode), without
+encoding any state twice.
 
-Read in order: decode_forks, fork, copy_columns, PreallocatedLayer, generate, finish.
-Below the line: generate's settings, the GPU's gather, the reused buffers, caches that cannot be
-forked (encoded afresh).
+Read in order: continue_from_cache, decode_forks, fork, copy_columns, PreallocatedLayer,
+generate, finish.
+Below the line: generate's settings, the GPU's gather, the batches and their reused buffers,
+caches that cannot be forked (encoded afresh).
 """
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
+import batching
+
 FORK_METHODS = ("copy", "gather")
+
+
+@torch.no_grad()
+def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling,
+                        *, cache, rows: list[int], fork_method: str | None = None):
+    """k continuations of each prefix, and their finished flags (lists [n][k]).
+
+    Prefix j is row rows[j] of `cache`, a right-padded forward pass (its token t in column t):
+    the old-log-prob pass, whose row e holds episodes[e] (VinePPO's states), or
+    rollout.sample's encoding of the prompts. sampling is a rollout.Sampling.
+    - the prefixes go to `generate` in batches of least padding (fork_batches);
+    - each batch is forked from the cache and decoded to its largest budget (decode_forks);
+    - each row is cut to its own budget at an end id or the stop string (finish), and is
+      finished only when it stopped by itself."""
+    if not prefixes:
+        return [], []
+    budgets = within_context(model, prefixes, budgets)
+    was_training = model.training
+    model.eval()  # no dropout while sampling; restored on return
+    conts, finished = [None] * len(prefixes), [None] * len(prefixes)
+    chunks, allocate = fork_batches(model, prefixes, budgets, k, sampling.max_batch_tokens)
+    for chunk in chunks:  # a list of prefix indices
+        budget = max(budgets[j] for j in chunk)
+        new = [[]] * (len(chunk) * k)  # [len(chunk) * k] rows of new ids, k per prefix
+        if budget > 0:
+            new = decode_forks(model, cache, [prefixes[j] for j in chunk],
+                               [rows[j] for j in chunk], k, budget, sampling, fork_method,
+                               allocate)
+        for i, j in enumerate(chunk):
+            results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer,
+                              sampling.stop, prefixes[j]) for seq in new[i * k:(i + 1) * k]]
+            conts[j], finished[j] = [c for c, _ in results], [f for _, f in results]
+    model.train(was_training)
+    return conts, finished
 
 
 def decode_forks(model, cache, prefixes, rows, k: int, budget: int, sampling,
@@ -36,10 +77,11 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     """Reset to each prefix k times: ids [n*k, W], their mask, and a cache to decode on.
 
     Prefix j is row rows[j] of `cache`, the right-padded pass of old_logprobs: its token t's
-    keys and values are in column t. One forked row, W = 6, a prefix of 4 tokens:
+    keys and values are in column t. One forked row, a prefix of 4 tokens, W = 6 (the longest
+    prefix given), the cache's capacity W-1 + new_tokens:
 
         column   0    1    2    3    4    5    6 ...
-        ids      pad  pad  p0   p1   p2   p3
+        ids      pad  pad  p0   p1   p2   p3                  (W columns)
         mask     0    0    1    1    1    1
         cache    0    0    kv0  kv1  kv2  [room: p3's and the new tokens' keys, values]
 
@@ -63,12 +105,10 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     capacity = width - 1 + new_tokens
     dtype = fork_dtype(cache, device)
     forked = DynamicCache()
-    for layer, (keys, values, *_) in enumerate(cache):  # each [B, H, L, D]
+    for layer, (keys, values, *_) in enumerate(cache):  # a layer's keys, values: [B, H, L, D]
         if method == "gather":
-            key_buffer = gather_columns(keys, sources, ends, width, capacity,
-                                                   dtype)
-            value_buffer = gather_columns(values, sources, ends, width, capacity,
-                                                     dtype)
+            key_buffer = gather_columns(keys, sources, ends, width, capacity, dtype)
+            value_buffer = gather_columns(values, sources, ends, width, capacity, dtype)
         else:
             key_buffer = copy_columns(keys, sources, ends, width, capacity, dtype,
                                       allocate, (layer, "keys"))
@@ -126,6 +166,8 @@ def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None
            before=()):
     """(row cut, finished): cut after its first EOS, to its budget, and before `stop`.
 
+    - generate pads a row that stopped early with eos_id (decoding's pad_token_id), so
+      whatever follows the first end id is padding;
     - eos_id: an id, or several (Sampling.stops: any ends it); a cut appends the first;
     - text after the stop string is a next problem the model began inventing: cut off;
     - before: the row's prefix. HF stops at the token completing `stop` (the row's last), so
@@ -217,6 +259,14 @@ def gather_columns(x, sources: list[int], ends: list[int], width: int, capacity:
     return buffer.masked_fill_((cols < 0)[:, None, :, None], 0)
 
 
+def fork_batches(model, prefixes, budgets: list[int], k: int, max_tokens: int):
+    """(batches of prefix indices, the allocator of their fork buffers) for continue_from_cache:
+    least padding within max_tokens (batching.least_padding), one set of buffers reused."""
+    chunks = batching.least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
+                                    max_tokens, batching.batch_overhead(model))
+    return chunks, reused_buffers(largest_fork(chunks, prefixes, budgets, k))
+
+
 def largest_fork(chunks, prefixes, budgets, k: int) -> int:
     """The cached positions of the largest fork among the chunks:
     rows x (longest prefix - 1 + largest budget), fork's capacity."""
@@ -241,6 +291,13 @@ def reused_buffers(positions: int):
                                      device=device)
         return flat[slot][:size].view(shape)
     return allocate
+
+
+def within_context(model, prefixes, budgets: list[int]) -> list[int]:
+    """Each budget cut to what the model's context leaves after its prefix."""
+    context = model.config.max_position_embeddings
+    return [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
+
 
 
 def forkable(cache) -> bool:

@@ -204,3 +204,23 @@ def announce_fork(cfg, policy):
         what = "MC values and sampling" if cfg.algo == "vineppo" else "sampling"
         tqdm.write(f"--model {cfg.model}: its KV cache ({', '.join(kinds)}) cannot be forked: "
                    f"{what} encode each state's prefix afresh (the same values, slower)")
+
+
+def go_offline_without_hub(cfg):
+    """Offline, the hub libraries retry each file for ~25 s before they fail: one quick look at the
+    hub first, and if it cannot be reached they run offline (cached files only, a missing one fails
+    at once)."""
+    from huggingface_hub import constants, get_session
+    model = ALIASES.get(cfg.model, cfg.model)
+    needs_hub = ((model != "tiny" and not os.path.exists(model))
+                 or {"gsm8k", "math"} & {cfg.data, cfg.eval_data})
+    if not needs_hub or constants.HF_HUB_OFFLINE:
+        return
+    try:
+        get_session().head(constants.ENDPOINT, timeout=5)
+    except Exception as e:
+        # no network, no name resolution, a firewall: offline mode, as if HF_HUB_OFFLINE=1
+        # read by transformers at each call, by datasets when imported
+        constants.HF_HUB_OFFLINE = True
+        tqdm.write(f"the hub ({constants.ENDPOINT}) cannot be reached ({first_line(e)}): "
+                   "cached files only")

@@ -188,8 +188,9 @@ def ppo_update(episodes, policy: Learner, critic: Learner | None, hp: PPOSetting
     """`hp.epochs` passes over shuffled minibatches: one optimizer step per minibatch and learner.
 
     Each loss is a mean over the whole minibatch (all its micro-batches, all processes): a
-    micro-batch adds its sum over the minibatch's count, so --micro-batch and the number of
-    processes change no gradient. move_policy False (--critic-warmup): the critic alone learns.
+    micro-batch adds its sum over the minibatch's count (its backward is scaled by the number
+    of processes, which DDP averages: parallel.backward_share), so --micro-batch and the number
+    of processes change no gradient. move_policy False (--critic-warmup): the critic alone learns.
     Returns the minibatches' mean statistics."""
     log = UpdateLog()
     learners = [policy] + ([critic] if critic is not None else [])

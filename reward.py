@@ -17,6 +17,20 @@ ARITH_PROMPT = "{question}\n"
 STOP = "\n\n\nProblem:"
 
 
+def response_reward(ep, response_ids: list[int], tokenizer) -> float:
+    """R of a whole response to ep's problem (ep's own, or a prefix of it + a continuation)."""
+    text = tokenizer.decode(response_ids, skip_special_tokens=True)
+    return grade(text, ep.gold, ep.question, ep.math, ep.style)
+
+
+def grade(response: str, gold: str, question: str = "", math: bool = False,
+          style: str = "hash") -> float:
+    """R, the task's reward of a response's text: 1.0 for a right final answer by MATH's rules
+    (math) or by GSM8K's (arith too) in `style`, else 0.0. `question` matters only to MATH's
+    lists ('separated by commas')."""
+    return math_reward(response, gold, question) if math else gsm8k_reward(response, gold, style)
+
+
 def extract_answer(text: str) -> str | None:
     """Everything after the last '####', stripped; None when there is no '####'
     (reference: tasks/gsm8k.py)."""
@@ -48,14 +62,6 @@ def gsm8k_reward(completion: str, gold_answer: str, style: str = "hash") -> floa
     # a gold answer written '#### 2,125' (14 of GSM8K's 1319 test problems) could never score:
     # removed on both sides here.
     return float(pred.replace(",", "").lower() == gold.replace(",", "").lower())
-
-
-def grade(response: str, gold: str, question: str = "", math: bool = False,
-          style: str = "hash") -> float:
-    """R, the task's reward of a response's text: 1.0 for a right final answer by MATH's rules
-    (math) or by GSM8K's (arith too) in `style`, else 0.0. `question` matters only to MATH's
-    lists ('separated by commas')."""
-    return math_reward(response, gold, question) if math else gsm8k_reward(response, gold, style)
 
 
 # ---- MATH (Hendrycks et al. 2021): the answer in \\boxed{}, graded up to equivalence -------------

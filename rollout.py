@@ -1,13 +1,11 @@
-"""Sampling responses, their log-probs, and continuations of a state (arXiv 2410.01679v1, §3).
+"""Sampling responses and their log-probs (arXiv 2410.01679v1, §3).
 
-A text environment is reset to a state s_i by feeding its prefix again. The forward pass that
-gives the old log-probs already holds every prefix's keys and values, so continue_from_cache
-resets by copying a prefix's columns of that KV cache, K times (generation.py: the fork), and
-HF `generate` samples on from there. Plain sampling takes the same path: each prompt is encoded
-once, then forked k times.
+A prompt is encoded once; its KV cache is then forked k times, and HF `generate` samples on from
+each fork (generation.py). VinePPO's MC continuations take the same path from the old-log-prob
+pass's cache, which holds every state of a response (vine.py).
 
-Read in order: Sampling, Episode, sample_episodes, sample, continue_from_cache (then
-generation.py), old_logprobs, reference_logprobs, token_logprobs, per_response.
+Read in order: Sampling, Episode, sample_episodes, sample, old_logprobs, reference_logprobs,
+token_logprobs, per_response.
 Below the line: small helpers.
 """
 from dataclasses import dataclass, field
@@ -54,11 +52,11 @@ class Episode:
     prompt_ids     list [P]      sample_episodes (2), the problem's      every forward pass
     response_ids   list [T]      sample_episodes (2); EOS if it stopped  every forward pass
                                  (after a stop string: appended, not sampled, yet trained on)
-    gold, question str           sample_episodes (2), the problem's      response_reward
+    gold, question str           sample_episodes (2), the problem's      grading
     math           bool          sample_episodes (2): a MATH problem     grading, split_steps
     group          int           sample_episodes (2): its prompt's index GRPO, group_chunks
     finished       bool          sample_episodes (2): stopped in budget  its reward (else 0)
-    reward         float         sample_episodes (2): response_reward    advantages, critic
+    reward         float         sample_episodes (2): reward.py          advantages, critic
     step_starts    list [n]      vine.split_steps (3)                    mc_values, advantages
     old_logp       tensor [T]    old_logprobs (4)                        ppo.ppo_update (ratio)
     step_values    list [n]      vine.mc_values (5); None past the cap   episode_advantages
@@ -87,12 +85,6 @@ class Episode:
     style: str = "hash"                        # GSM8K's answer style (--answer): hash | boxed
 
 
-def response_reward(ep: Episode, response_ids: list[int], tokenizer) -> float:
-    """R of a whole response to ep's problem (ep's own, or a prefix of it + a continuation)."""
-    text = tokenizer.decode(response_ids, skip_special_tokens=True)
-    return reward.grade(text, ep.gold, ep.question, ep.math, ep.style)
-
-
 def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> list[Episode]:
     """k responses to each problem, graded (an unfinished response scores 0)."""
     prompts = [p["prompt_ids"] for p in problems]
@@ -103,8 +95,9 @@ def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> 
                 for group, (p, cs, fs) in enumerate(zip(problems, conts, finished))
                 for c, f in zip(cs, fs)]
     for ep in episodes:
-        ep.reward = (response_reward(ep, ep.response_ids, sampling.tokenizer) if ep.finished
-                     else 0.0)
+        ep.reward = 0.0
+        if ep.finished:
+            ep.reward = reward.response_reward(ep, ep.response_ids, sampling.tokenizer)
     return episodes
 
 
@@ -114,10 +107,10 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
     """k continuations of each prefix, and their finished flags (lists [n][k]).
 
     The prefixes are encoded, once each, in the batches they will decode in; then each batch's
-    cache is forked k times (continue_from_cache)."""
+    cache is forked k times (generation.continue_from_cache)."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
-    budgets = within_context(model, prefixes, budgets)
+    budgets = generation.within_context(model, prefixes, budgets)
     device = next(model.parameters()).device
     conts, finished = [None] * len(prefixes), [None] * len(prefixes)
     for part in batching.least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
@@ -125,47 +118,12 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
         ids, mask = pad_right([prefixes[j] for j in part], sampling.pad_id, device)
         # transformers 5 calls the KV cache `cache` (formerly past_key_values)
         cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
-        c, f = continue_from_cache(model, [prefixes[j] for j in part], k,
-                                   [budgets[j] for j in part], sampling, cache=cache,
-                                   rows=list(range(len(part))), fork_method=fork_method)
+        c, f = generation.continue_from_cache(model, [prefixes[j] for j in part], k,
+                                              [budgets[j] for j in part], sampling, cache=cache,
+                                              rows=list(range(len(part))),
+                                              fork_method=fork_method)
         for j, cj, fj in zip(part, c, f):
             conts[j], finished[j] = cj, fj
-    return conts, finished
-
-
-@torch.no_grad()
-def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[int],
-                        sampling: Sampling, *, cache, rows: list[int],
-                        fork_method: str | None = None):
-    """k continuations of each prefix, and their finished flags (lists [n][k]).
-
-    Prefix j is row rows[j] of `cache` (a right-padded pass: its position t in column t).
-    - the prefixes go to `generate` in batches of least padding (batching.least_padding);
-    - each batch is forked from the cache and decoded (generation.decode_forks), to the
-      batch's largest budget;
-    - each row is cut to its own budget, at an end id or the stop string (generation.finish),
-      and is finished only when it stopped by itself."""
-    if not prefixes:
-        return [], []
-    budgets = within_context(model, prefixes, budgets)
-    was_training = model.training
-    model.eval()  # no dropout while sampling; restored on return
-    conts, finished = [None] * len(prefixes), [None] * len(prefixes)
-    chunks = batching.least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
-                                    sampling.max_batch_tokens, batching.batch_overhead(model))
-    allocate = generation.reused_buffers(generation.largest_fork(chunks, prefixes, budgets, k))
-    for chunk in chunks:
-        budget = max(budgets[j] for j in chunk)
-        new = (generation.decode_forks(model, cache, [prefixes[j] for j in chunk],
-                                       [rows[j] for j in chunk], k, budget, sampling, fork_method,
-                                       allocate)
-               if budget > 0 else [[]] * (len(chunk) * k))
-        for i, j in enumerate(chunk):
-            results = [generation.finish(seq, budgets[j], sampling.stops, sampling.tokenizer,
-                                         sampling.stop, prefixes[j])
-                       for seq in new[i * k:(i + 1) * k]]
-            conts[j], finished[j] = [c for c, _ in results], [f for _, f in results]
-    model.train(was_training)
     return conts, finished
 
 
@@ -225,12 +183,6 @@ def per_response(logp, episodes):
 
 
 # ---- engineering: budgets, padding, log-softmax in pieces (skip on a first reading) --------
-
-
-def within_context(model, prefixes, budgets: list[int]) -> list[int]:
-    """Each budget cut to what the model's context leaves after its prefix."""
-    context = model.config.max_position_embeddings
-    return [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
 
 
 def pad_id(tok) -> int:

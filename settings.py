@@ -4,11 +4,25 @@ A setting is a Config field made by arg() with a rule: (a test, the words for wh
 --help shows the words, parse_args runs the test. Also the settings that cannot go together,
 those a run ignores, and the one-line refusal. Needs no sibling. All engineering: a first reading
 may skip this file."""
+import argparse
 import dataclasses
 import re
 import sys
 
 FLOAT32_MAX = 3.4028234663852886e38
+
+
+def command_line(config, presets, description: str, add_help: bool = True):
+    """An argparse parser with one option per field of the dataclass `config`, each None unless
+    given; --help shows each one's help, default and rule (help_text)."""
+    p = argparse.ArgumentParser(description=description, add_help=add_help,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = refuse  # one line, no usage
+    for f in dataclasses.fields(config):
+        kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
+        p.add_argument("--" + f.name.replace("_", "-"), default=None,
+                       help=help_text(f, presets), **kind)
+    return p
 
 
 def arg(default, help, valid=None):

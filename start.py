@@ -1,16 +1,18 @@
 """Everything before the first iteration, or on --resume all of it as the last checkpoint left it.
 
 The process and its precision, the output directory and its lock, the data, the models (the SFT
-warm start, the frozen reference, the critic) and their optimizers.
-Needs: checkpoint.py, models.py, sft.py, tasks.py, prompts.py, parallel.py, ppo.py (Learner),
-value.py (Critic). All engineering: a first reading may skip this file."""
+warm start, the frozen reference, the critic) and their optimizers; at the end, how a run exits.
+Needs: checkpoint, models, sft, tasks, prompts, parallel, ppo (Learner), value (Critic).
+All engineering: a first reading may skip this file."""
 import copy
 import fcntl
 import math
 import os
 import random
 import shutil
+import signal
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -88,11 +90,10 @@ def start_run(cfg, device, autocast) -> Run:
 
 
 def load_run(cfg, device, autocast):
-    """Everything start_run needs, checked, with nothing written yet: a refusal leaves --out as it
-    was."""
+    """Everything start_run needs, checked; nothing is written, so a refusal leaves --out as is."""
     check_out_apart_from_model(cfg)
     prepare_out(cfg)
-    go_offline_without_hub(cfg)
+    models.go_offline_without_hub(cfg)
     task = dict(steps=cfg.arith_steps, traps=cfg.arith_traps,
                 hold_out=not cfg.eval_data)  # .jsonl: no overlap
     train_set = tasks.load_problems(cfg.data, "train", slip=cfg.arith_slip, **task)
@@ -304,21 +305,26 @@ def fit_prompts_per_iter(cfg, available: int):
         cfg.prompts_per_iter = fits
 
 
-def go_offline_without_hub(cfg):
-    """Offline, the hub libraries retry each file for ~25 s before they fail: one quick look at the
-    hub first, and if it cannot be reached they run offline (cached files only, a missing one fails
-    at once)."""
-    from huggingface_hub import constants, get_session
-    model = models.ALIASES.get(cfg.model, cfg.model)
-    needs_hub = ((model != "tiny" and not os.path.exists(model))
-                 or {"gsm8k", "math"} & {cfg.data, cfg.eval_data})
-    if not needs_hub or constants.HF_HUB_OFFLINE:
-        return
+def stop(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)  # SIGTERM unwinds as Ctrl-C, to below
+
+
+def run_to_the_end(main, cfg):
+    """main(cfg); a stop (Ctrl-C, SIGTERM) or an error ends in one line and an exit status:
+    2 bad data, 1 a failed write, 128 + the signal's number a stop (where the run can go on)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
     try:
-        get_session().head(constants.ENDPOINT, timeout=5)
-    except Exception as e:
-        # no network, no name resolution, a firewall: offline mode, as if HF_HUB_OFFLINE=1
-        # read by transformers at each call, by datasets when imported
-        constants.HF_HUB_OFFLINE = True
-        tqdm.write(f"the hub ({constants.ENDPOINT}) cannot be reached ({first_line(e)}): "
-                   "cached files only")
+        main(cfg)
+        parallel.close()
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # a write that failed: a full disk, no permission
+        print(f"error: {e}; {checkpoint.resume_hint(cfg.out)}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt as e:  # Ctrl-C (SIGINT) or SIGTERM
+        name = str(e) or "SIGINT"
+        if parallel.rank() == 0:
+            print(f"stopped by {name}; {checkpoint.resume_hint(cfg.out)}", file=sys.stderr)
+        sys.exit(128 + signal.Signals[name])

@@ -17,12 +17,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import batching
 import bench
-from test_vine import SMALL  # the tiny settings of test_vine's smoke runs
 import generation
 import models
 import ppo
 import rollout
 import value
+from test_vine import SMALL  # the tiny settings of test_vine's smoke runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU = torch.device("cpu")
@@ -258,8 +258,8 @@ def test_forked_greedy_under_autocast_matches_reencoding(model):
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0)
     with torch.no_grad(), bf16():
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
-        forked, _ = rollout.continue_from_cache(model, prefixes, 2, [12] * 3, greedy, cache=cache,
-                                                rows=rows)
+        forked, _ = generation.continue_from_cache(model, prefixes, 2, [12] * 3, greedy,
+                                                   cache=cache, rows=rows)
         for prefix, forks in zip(prefixes, forked):
             # HF's own cache
             alone = model.generate(torch.tensor([prefix]), max_new_tokens=12, do_sample=False,
@@ -278,8 +278,8 @@ def sampling_peak(model, cache, n_prefixes, max_batch_tokens):
     with bench.LiveTensorBytes() as counter:
         sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=60, eos_id=40,
                                     pad_id=0, max_batch_tokens=max_batch_tokens)
-        rollout.continue_from_cache(model, prefixes, 4, [60] * n_prefixes, sampling, cache=cache,
-                                    rows=rows)
+        generation.continue_from_cache(model, prefixes, 4, [60] * n_prefixes, sampling, cache=cache,
+                                       rows=rows)
     return counter.peak
 
 
@@ -317,8 +317,8 @@ def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
     def draw(reused_buffers):
         monkeypatch.setattr(generation, "reused_buffers", reused_buffers)
         torch.manual_seed(0)
-        return rollout.continue_from_cache(model, prefixes, 3, [6, 6, 6, 2, 6], sampling,
-                                           cache=cache, rows=rows)
+        return generation.continue_from_cache(model, prefixes, 3, [6, 6, 6, 2, 6], sampling,
+                                              cache=cache, rows=rows)
 
     made, storage, reuse = [], set(), generation.reused_buffers
 
@@ -353,8 +353,8 @@ def test_gather_fork_equals_copy_fork(model, autocast):
         copied = generation.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
         gathered = generation.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
         greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=2, pad_id=0)
-        samples = [rollout.continue_from_cache(model, prefixes, 2, [6] * 5, greedy, cache=cache,
-                                               rows=rows, fork_method=method)
+        samples = [generation.continue_from_cache(model, prefixes, 2, [6] * 5, greedy, cache=cache,
+                                                  rows=rows, fork_method=method)
                    for method in generation.FORK_METHODS]
     assert samples[0] == samples[1]
     assert torch.equal(copied[0], gathered[0]) and torch.equal(copied[1], gathered[1])

@@ -643,7 +643,7 @@ def test_eval_data_and_out_messages_name_their_setting(tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFound)")
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    monkeypatch.setattr(start, "go_offline_without_hub", lambda cfg: None)
+    monkeypatch.setattr(models, "go_offline_without_hub", lambda cfg: None)
     with pytest.raises(DataError, match=r"^--eval-data gsm8k: cannot load openai/gsm8k from the "
                                         r"hub \(Couldn't"):
         start_in_process("--out", str(tmp_path / "out"), "--eval-data", "gsm8k")

@@ -19,9 +19,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 import batching
 import checkpoint
 import models
-import parallel
 import generation
+import parallel
 import ppo
+import reward
 import rollout
 import train
 import value
@@ -116,12 +117,12 @@ def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
         # continuation j of a prefix is [j]; its reward (below) is 1 iff j < len(prefix) % 4
         return [[[j] for j in range(k)] for _ in prefixes], [[True] * k for _ in prefixes]
 
-    monkeypatch.setattr(rollout, "continue_from_cache", fake_sample)
+    monkeypatch.setattr(generation, "continue_from_cache", fake_sample)
     eps = [rollout.Episode([1, 5], [7, 8, 9, 2], "", 0, True, step_starts=[0, 1, 3]),
            rollout.Episode([1, 5], [7, 8, 6, 2], "", 0, True, step_starts=[0, 2]),
            rollout.Episode([1, 6], [7, 2], "", 1, True, step_starts=[0])]
     grade = lambda ep, ids, tok: float(ids[-1] < (len(ep.prompt_ids) + len(ids) - 1) % 4)
-    monkeypatch.setattr(rollout, "response_reward", grade)
+    monkeypatch.setattr(reward, "response_reward", grade)
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10, eos_id=2, pad_id=0)
     counts = vine.mc_values(None, eps, None, sampling, vine.MCSettings(4, max_states=25))
     assert counts["mc_states"] == 5   # 6 states, [1,5] shared by the two samples of prompt 0
@@ -134,9 +135,10 @@ def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
 
 def test_mc_values_cap_leaves_none(monkeypatch):
     ep = rollout.Episode([1], [4, 4, 4, 2], "", 0, True, step_starts=[0, 1, 2, 3])
-    monkeypatch.setattr(rollout, "continue_from_cache", lambda m, prefixes, k, b, sampling, **kw: (
-        [[[2]] * k for _ in prefixes], [[True] * k for _ in prefixes]))
-    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: 1.0)
+    monkeypatch.setattr(generation, "continue_from_cache",
+                        lambda m, prefixes, k, b, sampling, **kw: (
+                            [[[2]] * k for _ in prefixes], [[True] * k for _ in prefixes]))
+    monkeypatch.setattr(reward, "response_reward", lambda ep, ids, tok: 1.0)
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, pad_id=0)
     vine.mc_values(None, [ep], None, sampling, vine.MCSettings(2, max_states=2))
     assert ep.step_values == [1.0, 1.0, None, None]
@@ -183,8 +185,8 @@ def fake_mc_sampling(monkeypatch):
         return [[[3 if p[-1] == 3 or j % 2 else 4] for j in range(n)] for p in prefixes], \
             [[True] * n for _ in prefixes]
 
-    monkeypatch.setattr(rollout, "continue_from_cache", fake_sample)
-    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: float(ids[-1] == 3))
+    monkeypatch.setattr(generation, "continue_from_cache", fake_sample)
+    monkeypatch.setattr(reward, "response_reward", lambda ep, ids, tok: float(ids[-1] == 3))
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=2, pad_id=0)
     eps = [rollout.Episode([1], [3, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1]),
            rollout.Episode([1], [4, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1])]
@@ -267,11 +269,11 @@ def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
     tokens): (E, E put in baseline)}"""
     states = [(1,), (1, 3), (1, 4)]
     assignment = {}
-    monkeypatch.setattr(rollout, "continue_from_cache",
+    monkeypatch.setattr(generation, "continue_from_cache",
                         lambda model, prefixes, n, budgets, sampling, **kw: (
         [[list(assignment[(tuple(p), j)]) for j in range(n)] for p in prefixes],
         [[True] * n for _ in prefixes]))
-    monkeypatch.setattr(rollout, "response_reward", lambda ep, ids, tok: TREE_REWARD[tuple(ids)])
+    monkeypatch.setattr(reward, "response_reward", lambda ep, ids, tok: TREE_REWARD[tuple(ids)])
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=2, eos_id=2, pad_id=0)
     sums, weights = collections.defaultdict(lambda: [0.0, 0.0]), collections.defaultdict(float)
     continuation_sets = [list(itertools.product(paths(s), repeat=k)) for s in states]
@@ -356,8 +358,8 @@ def test_forked_greedy_equals_reencoded_greedy(model):
     prefixes = [seqs[0][:12], seqs[0][:30], seqs[1][:5], seqs[2][:25], seqs[1][:17]]
     rows = [0, 0, 1, 2, 1]
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0)
-    forked, _ = rollout.continue_from_cache(model, prefixes, 3, [12] * 5, greedy, cache=cache,
-                                            rows=rows)
+    forked, _ = generation.continue_from_cache(model, prefixes, 3, [12] * 5, greedy, cache=cache,
+                                               rows=rows)
     for prefix, forks in zip(prefixes, forked):
         alone, _ = rollout.sample(model, [prefix], 1, [12], greedy)  # re-encoded, unbatched
         assert len(set(map(tuple, forks))) == 1 and forks[0] == alone[0][0]
@@ -465,8 +467,8 @@ def test_greedy_continuations_whatever_the_batching(model, monkeypatch):
                                   max_batch_tokens=max_tokens)
         cuts = batching.least_padding(list(map(len, prefixes)), budgets, [2] * 6, max_tokens,
                                       overhead)
-        outs.append((len(cuts), rollout.continue_from_cache(model, prefixes, 2, budgets, greedy,
-                                                            cache=cache, rows=rows)))
+        outs.append((len(cuts), generation.continue_from_cache(model, prefixes, 2, budgets, greedy,
+                                                               cache=cache, rows=rows)))
     assert [n for n, _ in outs] == [6, 4, 2, 1] and all(out == outs[0][1] for _, out in outs)
 
 
@@ -519,8 +521,8 @@ def test_mc_estimate_matches_the_exact_value_by_enumeration():
         sampling = rollout.Sampling(temperature=temperature, top_p=1.0, max_new_tokens=budget,
                                     eos_id=eos, pad_id=0)
         if forked:
-            conts, done = rollout.continue_from_cache(m, [state], n, [budget], sampling,
-                                                      cache=cache, rows=[0])
+            conts, done = generation.continue_from_cache(m, [state], n, [budget], sampling,
+                                                         cache=cache, rows=[0])
         else:
             conts, done = rollout.sample(m, [state], n, [budget], sampling)
         estimate = sum(reward(c, d) for c, d in zip(conts[0], done[0])) / n

@@ -240,8 +240,8 @@ def test_greedy_continuations_of_every_state_equal_a_fresh_encode(name):
     assert generation.forkable(cache) == forked
     prefixes, rows = [seqs[0][:5], seqs[0][:20], seqs[1][:13], seqs[1][:9]], [0, 0, 1, 1]
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=V + 5, pad_id=0)
-    conts, _ = rollout.continue_from_cache(model, prefixes, 2, [6] * 4, greedy, cache=cache,
-                                           rows=rows)
+    conts, _ = generation.continue_from_cache(model, prefixes, 2, [6] * 4, greedy, cache=cache,
+                                              rows=rows)
     alone = [model.generate(torch.tensor([p]),
                             attention_mask=torch.ones(1, len(p), dtype=torch.long),
                             max_new_tokens=6, do_sample=False, eos_token_id=V + 5,

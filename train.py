@@ -11,10 +11,9 @@ cache of their forward pass (rollout.py) -> the MC values, forked from that cach
 critic's values (value.py) -> advantages -> reference log-probs -> epochs of clipped PPO (ppo.py)
 -> log, evaluate, save.
 
-Needs: rollout, reward, vine, ppo, value (the algorithm); start (everything before the first
-iteration), settings (how a setting is shown and checked), checkpoint, parallel (torchrun, and the
-metrics row), batching (forward batches). Algorithm: Config and its presets, main, evaluate;
-the engineering sections (the command line, exits) may be skipped on a first reading.
+Needs: rollout, reward, vine, ppo, value (the algorithm); start, settings, checkpoint, parallel,
+batching (engineering). Read Config and its presets, main, evaluate; the command line at the end
+may be skipped on a first reading.
 """
 import signal
 import sys
@@ -31,7 +30,6 @@ if __name__ == "__main__":  # before the heavy imports below
     signal.signal(signal.SIGINT, stop_starting)
     signal.signal(signal.SIGTERM, stop_starting)
 
-import argparse
 import collections
 import dataclasses
 import json
@@ -53,7 +51,6 @@ import start
 import tasks
 import value
 import vine
-from tasks import DataError
 from settings import above, arg, at_least, between, one_of, ordered
 
 
@@ -97,24 +94,20 @@ class Config:
     samples_per_prompt: int = arg(8, "responses sampled per problem", at_least(1))
     mc_rollouts: int = arg(9, "K: continuations per state for the MC value", at_least(1))
     max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); "
-                                    "later: the return; 0: all",
-                                at_least(0))
+                                    "later: the return; 0: all", at_least(0))
     mc_max_rollouts: int = arg(0, "adaptive MC values (the reference's: 30): --mc-rollouts first, "
                                   "then more while V_hat's 95-percent interval > --mc-ci-width, "
                                   "never more than this in all (the last round is cut to fit); "
-                                  "0: off",
-                               at_least(0))
+                                  "0: off", at_least(0))
     mc_increment: int = arg(4, "adaptive MC values: continuations added per round", at_least(1))
     mc_ci_width: float = arg(0.05, "adaptive MC values: a width of V_hat's 95-percent interval "
-                                   "that is enough",
-                             above(0))
+                                   "that is enough", above(0))
     mc_reuse: bool = arg(False, "each response is one more continuation of the states it passes "
                                 "(unbiased)")
     mc_top_up: bool = arg(False, "with --mc-reuse: a state gets K minus the other responses "
                                  "through it")
     value_head: str = arg("", "ppo/tppo critic head: scalar | tracking | bce "
-                              "(default: scalar, tppo: tracking)",
-                          one_of("", *value.HEADS))
+                              "(default: scalar, tppo: tracking)", one_of("", *value.HEADS))
     critic_lr: float = arg(1e-6, "critic learning rate (its own AdamW)", LR)
     critic_warmup: int = arg(0, "iterations that train only the critic before the policy moves "
                                 "(its LR schedule spans the iterations after them)", at_least(0))
@@ -156,8 +149,7 @@ class Config:
     sft_batch: int = arg(64, "SFT batch size", at_least(1))
     arith_steps: str = arg("2-5", "arith only: steps per chain, MIN-MAX (the difficulty)", STEPS)
     arith_slip: float = arg(0.0, "arith only: chance that a step (with traps: a trap) "
-                                 "of an SFT demo is wrong",
-                            between(0, 1))
+                                 "of an SFT demo is wrong", between(0, 1))
     arith_traps: str = arg("", "arith only: the modulo-10 task, "
                                "MIN-MAX carry/borrow steps per chain", TRAPS)
     max_batch_tokens: int = arg(524288, "generation batch budget: rows x (prefix + new tokens)",
@@ -166,8 +158,7 @@ class Config:
                                     at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
     precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights "
-                             "(default: bf16 on CUDA, else fp32)",
-                         one_of("", *models.PRECISIONS))
+                             "(default: bf16 on CUDA, else fp32)", one_of("", *models.PRECISIONS))
     resume: bool = arg(False, "continue from the last complete checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds an earlier run, "
                                  "replacing its results")
@@ -217,14 +208,15 @@ def main(cfg: Config):
         prompts.warn_if_unread(episodes, tok, f"iteration {it}")
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
-        # 4-5. old log-probs, a forward pass per batch; VinePPO forks its KV cache for the values
+        # 4-5. old log-probs, a forward pass per batch; VinePPO forks its KV cache (row e holds
+        # batch[e]) for the values: V_hat(s_i), K continuations from every step start
         mc_counts = collections.Counter()
         with autocast, parallel.unsharded(policy.model):
             for batch in batching.group_chunks(episodes, cfg.forward_batch_tokens):
                 cache = rollout.old_logprobs(policy.model, batch, cfg.temperature,
                                              sampling.pad_id, keep_cache=cfg.algo == "vineppo")
                 watch.lap("time_logprobs")
-                if cfg.algo == "vineppo":  # V_hat(s_i): K continuations from every step start
+                if cfg.algo == "vineppo":
                     mc_counts += vine.mc_values(policy.model, batch, cache, sampling, mc)
                     watch.lap("time_mc_values")
                 del cache  # before the next batch's forward pass allocates its own
@@ -313,22 +305,10 @@ def evaluate(policy, problems: list[dict], cfg: Config, sampling, autocast, iter
             "eval_greedy_accuracy": (greedy_correct / count).item()}
 
 
-# ---- engineering: the command line, exits (skip on a first reading) ---------------------------
-
-def command_line(add_help: bool = True) -> argparse.ArgumentParser:
-    """train.py's options: one per Config field, each None unless given."""
-    p = argparse.ArgumentParser(description=__doc__, add_help=add_help,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = settings.refuse  # one line, no usage
-    for f in dataclasses.fields(Config):
-        kind = dict(action="store_true") if f.type is bool else dict(type=f.type)
-        shown = settings.help_text(f, PRESETS)  # the help and the default
-        p.add_argument("--" + f.name.replace("_", "-"), default=None, help=shown, **kind)
-    return p
-
+# ---- engineering: the command line (skip on a first reading) ----------------------------------
 
 def parse_args(argv=None) -> Config:
-    p = command_line()
+    p = settings.command_line(Config, PRESETS, __doc__)
     argv = settings.join_negative_numbers(sys.argv[1:] if argv is None else argv)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     prompts.read_template_file(given, p.error)
@@ -346,25 +326,5 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 
-def stop(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)  # SIGTERM unwinds as Ctrl-C, to below
-
-
 if __name__ == "__main__":
-    cfg = parse_args()
-    for signum in (signal.SIGINT, signal.SIGTERM):  # from here a stop says where the run can go on
-        signal.signal(signum, stop)
-    try:
-        main(cfg)
-        parallel.close()
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:  # a write that failed: a full disk, no permission
-        print(f"error: {e}; {checkpoint.resume_hint(cfg.out)}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt as e:  # Ctrl-C (SIGINT) or SIGTERM: exit status 128 + the signal's
-        name = str(e) or "SIGINT"
-        if parallel.rank() == 0:
-            print(f"stopped by {name}; {checkpoint.resume_hint(cfg.out)}", file=sys.stderr)
-        sys.exit(128 + signal.Signals[name])
+    start.run_to_the_end(main, parse_args())  # a stop or an error: one line and an exit status

@@ -1,7 +1,8 @@
 """VinePPO's credit assignment (Kazemnejad et al. 2024, arXiv 2410.01679v1, §4).
 
 Cut each response into reasoning steps; from the start s_i of every step sample K more
-continuations, forked from the KV cache (rollout.py); every token of step i takes A_i:
+continuations, forked from the old-log-prob pass's KV cache (generation.continue_from_cache);
+every token of step i takes A_i:
 
     V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)              (an unbiased MC value)
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),   r_i = R [i = n-1],   V(s_n) = 0
@@ -19,19 +20,22 @@ from itertools import accumulate
 
 import torch
 
+import generation
 import math_grader
+import reward
 import rollout
 
 
 def split_steps(episodes: list[rollout.Episode], tok):
     """Set ep.step_starts: the token index where each reasoning step of the response begins.
 
-    GSM8K's rule (the reference's tasks/gsm8k.py): a step is a line; the last line joins the
-    answer. The response `7+2=9\\n9-5=4\\n#### 4`, one token a character, is cut into
+    GSM8K's rule (the reference's tasks/gsm8k.py): a step is a line, opened by the '\\n' before
+    it; the last line joins the answer. The response `7+2=9\\n9-5=4\\n#### 4`, one token a
+    character, is cut into
         pieces       '7+2=9' | '\\n9-5=4\\n#### 4'
         step_starts  [0, 5]
-    so s_0 is the prompt and s_1 the prompt + '7+2=9'. MATH's rule: sentences and lines
-    (math_grader.math_step_offsets). The details: step_starts, below."""
+    so s_0 is the prompt and s_1 the prompt + '7+2=9' (its continuations begin with '\\n').
+    MATH's rule: sentences and lines (math_grader.math_step_offsets). Details: step_starts."""
     for ep in episodes:
         ep.step_starts = response_step_starts(tok, ep.response_ids, math=ep.math,
                                               boxed=ep.style == "boxed")
@@ -95,30 +99,33 @@ def state_keys(ep: rollout.Episode, max_states: int = 0) -> list:
 
 def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: int, sampling):
     """Rewards [len(keys)][k] of k continuations of each state in keys (a state may repeat),
-    and their token count: one batched call of rollout.continue_from_cache.
-    A continuation that did not stop within its budget scores 0."""
+    and their token count.
+
+    A continuation is what the policy samples after the state, as if the state were encoded
+    afresh; generation.continue_from_cache samples it from the old-log-prob pass's cache, in one
+    batched call. A continuation that did not stop within its budget scores 0."""
     budgets = [sampling.max_new_tokens - states[key][1] for key in keys]  # what b leaves
-    conts, finished = rollout.continue_from_cache(model, [list(key) for key in keys], k, budgets,
-                                                  sampling, cache=cache,
-                                                  rows=[states[key][0] for key in keys])
+    conts, finished = generation.continue_from_cache(model, [list(key) for key in keys], k,
+                                                     budgets, sampling, cache=cache,
+                                                     rows=[states[key][0] for key in keys])
     rewards = []
     for key, continuations, stopped in zip(keys, conts, finished):
         e, b = states[key]
         prefix = episodes[e].response_ids[:b]
-        rewards.append([rollout.response_reward(episodes[e], prefix + c, sampling.tokenizer)
+        rewards.append([reward.response_reward(episodes[e], prefix + c, sampling.tokenizer)
                         if f else 0.0 for c, f in zip(continuations, stopped)])
     return rewards, sum(len(c) for continuations in conts for c in continuations)
 
 
-def step_advantages(values: list[float | None], reward: float) -> list[float]:
-    """A_i = r_i + V(s_{i+1}) - V(s_i) (§4), with r_i = R [i = n-1] and V(s_n) = 0:
+def step_advantages(values: list[float | None], outcome: float) -> list[float]:
+    """A_i = r_i + V(s_{i+1}) - V(s_i) (§4), r_i = R [i = n-1], V(s_n) = 0, R = outcome:
 
         A = [V(s_1) - V(s_0), ..., V(s_{n-1}) - V(s_{n-2}), R - V(s_{n-1})]
 
     A value None (a state past the cap) takes the return, R: the step before the first such
-    state gets R - V(s_i), and every step after it 0."""
-    v = [reward if x is None else x for x in values]
-    return [v[i + 1] - v[i] for i in range(len(v) - 1)] + [reward - v[-1]]
+    state gets R - V(s_i), and every step after it 0 (whitened in the update like the rest)."""
+    v = [outcome if x is None else x for x in values]
+    return [v[i + 1] - v[i] for i in range(len(v) - 1)] + [outcome - v[-1]]
 
 
 def episode_advantages(ep: rollout.Episode) -> torch.Tensor:
@@ -129,7 +136,7 @@ def episode_advantages(ep: rollout.Episode) -> torch.Tensor:
 
 def episode_step_advantages(ep: rollout.Episode) -> list[float]:
     """ep's A_i, one per step: step_advantages, or with reuse reuse_step_advantages."""
-    if ep.step_counts:
+    if ep.step_counts:  # filled by mc_values only with --mc-reuse
         return reuse_step_advantages(ep.step_values, ep.reward, ep.step_counts)
     return step_advantages(ep.step_values, ep.reward)
 
@@ -173,7 +180,7 @@ def mc_values_cheaper(model, episodes, cache, sampling, mc: MCSettings) -> Count
                    mc_tokens=tokens)
 
 
-def reuse_step_advantages(values: list, reward: float, counts: list) -> list[float]:
+def reuse_step_advantages(values: list, outcome: float, counts: list) -> list[float]:
     """step_advantages when the response is one more sample of V(s_{i+1}): with m = counts[i+1]
     the samples behind V_hat(s_{i+1}),
 
@@ -181,10 +188,10 @@ def reuse_step_advantages(values: list, reward: float, counts: list) -> list[flo
 
     so E[A_i | s_i, a_i] = Q(s_i, a_i) - V(s_i) still. Never in V(s_i), the baseline of the
     step whose action it continues: that would shrink E[A_i] by m / (m + 1)."""
-    v = [reward if x is None else x for x in values]
-    joined = [v[i] if values[i] is None else (counts[i] * v[i] + reward) / (counts[i] + 1)
+    v = [outcome if x is None else x for x in values]
+    joined = [v[i] if values[i] is None else (counts[i] * v[i] + outcome) / (counts[i] + 1)
               for i in range(1, len(v))]  # joined[i - 1] stands for V(s_i)
-    return [joined[i] - v[i] for i in range(len(v) - 1)] + [reward - v[-1]]
+    return [joined[i] - v[i] for i in range(len(v) - 1)] + [outcome - v[-1]]
 
 
 def continuations_wanted(k: int, through: dict, key, top_up: bool) -> int:
@@ -279,6 +286,8 @@ def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
     opens = []  # character positions of the '\n' that opens a step
     if nonempty:
         last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
+        # line i opens a step for i from the first non-empty line's next to the last; its '\n'
+        # ends line i-1, at the length of lines 0..i-1 with their '\n's, minus one
         opens = [sum(len(line) + 1 for line in lines[:i]) - 1
                  for i in range(nonempty[0] + 1, last + 1)]
     return token_steps(token_texts, opens)
@@ -294,8 +303,11 @@ def token_steps(token_texts: list[str], opens: list[int]) -> list[int]:
 
 
 def decoded_pieces(tok, ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded sequence (alone, '▁' decodes to ''),
-    as vLLM detokenizes."""
+    """The text each token adds to the decoded sequence, as vLLM detokenizes.
+
+    Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9') and a byte
+    token can be part of a character; so each token gets what it adds to the text decoded
+    so far, and '' while the character it begins is incomplete."""
     decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
     # the window is ids[start:]; shown = its text up to read
     pieces, start, read, shown = [], 0, 0, ""
