@@ -299,7 +299,6 @@ def within_context(model, prefixes, budgets: list[int]) -> list[int]:
     return [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
 
 
-
 def forkable(cache) -> bool:
     """Whether fork can read states out of this cache: every layer a DynamicLayer that holds
     every position (a sliding-window layer keeps only the last window)."""
