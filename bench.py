@@ -62,14 +62,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import batching
 import generation
 import math_grader
-import parallel
 import reward
 import rollout
-import tasks
 import vine
-from prompts import encode_prompt
-from sft import sft_example, sft_target
-from tasks import DataError, first_line
+from engineering import parallel, tasks
+from engineering.prompts import encode_prompt
+from engineering.sft import sft_example, sft_target
+from engineering.tasks import DataError, first_line
 
 PAD = 0
 
@@ -724,7 +723,7 @@ def iteration(ctx, result: dict, algo: str):
     """train.py in this process (train_argv): peak memory, seconds per phase, what its last
     iteration generated. Evaluation and the checkpoint write are no phases of an iteration: no-ops
     here (a checkpoint of a 1.1B policy and its AdamW state is 13 GB, PPO's twice that)."""
-    import checkpoint
+    from engineering import checkpoint
     import train
     shape = ctx.mode["shape"]
     result["model_state_bytes_arithmetic"] = model_state_bytes(shape,
@@ -890,7 +889,7 @@ def generation_table(generation: dict) -> list[str]:
 
 
 def iteration_table(report: dict) -> list[str]:
-    from parallel import PHASES
+    from engineering.parallel import PHASES
     runs = {algo: report["parts"].get(f"iteration_{algo}", {}) for algo in ALGOS}
     train = report["settings"]["train"]
     kinds = {run.get("peak_memory_kind") for run in runs.values()} - {None}

@@ -30,8 +30,8 @@ import sys
 import time
 
 import ppo
-import settings
 import train
+from engineering import settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -50,14 +50,14 @@ import torch
 import batching
 import ppo
 import rollout
-import settings
 import train
 import value
 import vine
-from checkpoint import load_critic
-from models import load_model
-from prompts import encode_prompt
-from tasks import DataError, first_line, load_problems
+from engineering import settings
+from engineering.checkpoint import load_critic
+from engineering.models import load_model
+from engineering.prompts import encode_prompt
+from engineering.tasks import DataError, first_line, load_problems
 from reward import STOP, grade
 
 

@@ -10,8 +10,8 @@ encoding any state twice.
 
 Read in order: continue_from_cache, decode_forks, fork, copy_columns, PreallocatedLayer,
 generate, finish.
-Below the line: generate's settings, the GPU's gather, the batches and their reused buffers,
-caches that cannot be forked (encoded afresh).
+Below the line: the stop string's cut, generate's settings, the GPU's gather, the batches and
+their reused buffers, caches that cannot be forked (encoded afresh).
 """
 import torch
 from tqdm import tqdm
@@ -164,34 +164,44 @@ def generate(model, sampling, **inputs):
 
 def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None = None,
            before=()):
-    """(row cut, finished): cut after its first EOS, to its budget, and before `stop`.
+    """(row cut, finished): cut after its first end id, to its budget, and before `stop`.
 
     - generate pads a row that stopped early with eos_id (decoding's pad_token_id), so
       whatever follows the first end id is padding;
     - eos_id: an id, or several (Sampling.stops: any ends it); a cut appends the first;
-    - text after the stop string is a next problem the model began inventing: cut off;
-    - before: the row's prefix. HF stops at the token completing `stop` (the row's last), so
-      `stop` lies in the last len(stop) tokens of prefix + row (each adds >= 1 character)."""
+    - a row is finished when it ends in an end id: it stopped by itself within its budget."""
     ends = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
     first = next((t for t, token in enumerate(seq) if token in ends), None)
     seq = (seq if first is None else seq[: first + 1])[:budget]
-    body = seq[:-1] if seq and seq[-1] in ends else seq
-    # the stop string counts where it ends in the row, even if it begins in the prefix (as
-    # generate sees it): an MC continuation stops, and is cut, where its response would have
-    tail = list(before)[-len(stop):] if stop else []
-    joined = tail + body
-    text = lambda lo, hi=None: tokenizer.decode(joined[lo:hi], skip_special_tokens=True)
-    window = max(0, len(joined) - len(stop)) if stop else 0
-    if stop and stop in text(window) and stop not in text(window, len(tail)):  # not the prefix's
-        start = len(joined) - 1
-        while stop not in text(start):  # the last token whose text, and what follows, has `stop`
-            start -= 1
-        seq = body[:max(0, start - len(tail))] + [ends[0]]  # begun in the prefix: EOS alone
+    if stop:
+        seq = cut_before_stop(seq, ends, tokenizer, stop, before)
     return seq, bool(seq) and seq[-1] in ends
 
 
-# ---- engineering: generate's settings, the GPU's gather, reused buffers, unforkable caches
-# (skip on a first reading)
+# ---- engineering: the stop string, generate's settings, the GPU's gather, reused buffers,
+# unforkable caches (skip on a first reading)
+
+
+def cut_before_stop(seq: list[int], ends: tuple, tokenizer, stop: str, before) -> list[int]:
+    """seq cut before the stop string, with ends[0] appended; seq as it is when it has none.
+
+    - text after the stop string is a next problem the model began inventing: cut off;
+    - the stop string counts where it ends in the row, even if it begins in the prefix
+      `before` (as generate sees it): an MC continuation stops, and is cut, where its response
+      would have;
+    - HF stops at the token completing `stop` (the row's last), so `stop` lies in the last
+      len(stop) tokens of prefix + row (each adds >= 1 character)."""
+    body = seq[:-1] if seq and seq[-1] in ends else seq
+    tail = list(before)[-len(stop):]
+    joined = tail + body
+    text = lambda lo, hi=None: tokenizer.decode(joined[lo:hi], skip_special_tokens=True)
+    window = max(0, len(joined) - len(stop))
+    if stop not in text(window) or stop in text(window, len(tail)):  # none, or the prefix's
+        return seq
+    start = len(joined) - 1
+    while stop not in text(start):  # the last token whose text, and what follows, has `stop`
+        start -= 1
+    return body[:max(0, start - len(tail))] + [ends[0]]  # begun in the prefix: EOS alone
 
 
 def decoding(sampling) -> dict:

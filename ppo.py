@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-import parallel
 import rollout
 import vine
+from engineering import parallel
 
 ALGOS = ("vineppo", "ppo", "tppo", "grpo")  # the advantages assign_advantages knows
 # logged per minibatch, then averaged

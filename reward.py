@@ -3,7 +3,7 @@
 - GSM8K's format (the built-in task too): the answer after a last '#### N', or in a last \\boxed{};
 - MATH's: the reference's answer extraction, then math_grader.py's equivalence.
 Read in order: grade, then the graders it calls (gsm8k_reward here, math_reward at the end).
-The problems themselves are loaded by tasks.py."""
+The problems themselves are loaded by engineering/tasks.py."""
 import functools
 import re
 

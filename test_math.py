@@ -13,11 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import math_grader
-import models
-import tasks
 import train
 import vine
-from tasks import DataError, is_math, load_problems, read_jsonl
+from engineering import models, tasks
+from engineering.tasks import DataError, is_math, load_problems, read_jsonl
 from reward import math_answers, math_reward
 from test_realpath import SMALL, llama_style_tokenizer  # SMALL: two iterations, tiny sizes
 

@@ -18,10 +18,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import batching
 import bench
 import generation
-import models
 import ppo
 import rollout
 import value
+from engineering import models
 from test_vine import SMALL  # the tiny settings of test_vine's smoke runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -476,7 +476,7 @@ def check_generation(generation: dict, mode: dict):
 
 
 def check_iteration(run: dict, algo: str, train: dict):
-    from parallel import PHASES
+    from engineering.parallel import PHASES
     critic = algo in ("ppo", "tppo")
     assert run["model_state_bytes_arithmetic"] == bench.model_state_bytes(
         bench.MODES["smoke"]["shape"], critic)
@@ -636,7 +636,7 @@ def test_a_failed_iteration_shows_no_figure_in_the_report(tmp_path, monkeypatch)
 
     The .md says so in their rows, with no measured figure; vineppo's row keeps its own.
     """
-    from parallel import PHASES
+    from engineering.parallel import PHASES
     for name in ("environment", "model_files", "generation"):
         monkeypatch.setattr(bench, name, lambda ctx, result: None)
     monkeypatch.setattr(bench, "choose_new_tokens", lambda ctx: {})

@@ -14,12 +14,12 @@ from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaTok
                           PreTrainedTokenizerFast)
 
 import generation
-import models
 import rollout
 import vine
-from prompts import encode_prompt
-from sft import sft_example, sft_target
-from tasks import arith_dataset, read_jsonl
+from engineering import models
+from engineering.prompts import encode_prompt
+from engineering.sft import sft_example, sft_target
+from engineering.tasks import arith_dataset, read_jsonl
 from reward import ARITH_PROMPT, PROMPT, STOP, gsm8k_reward
 
 HERE = os.path.dirname(os.path.abspath(__file__))

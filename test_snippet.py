@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-import models
+from engineering import models
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Use it in your own trainer"

@@ -16,14 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint
-import models
-import prompts
-import sft
-import start
 import test_vine
 import train
-from tasks import DataError
+from engineering import checkpoint, models, prompts, sft, start
+from engineering.tasks import DataError
 from test_vine import HERE, OFFLINE, SMALL, numbers, run_train
 
 # ---- the checkpoint rotation, killed at every step --------------------------------------------

@@ -7,12 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import checkpoint
 import diagnose
-import models
 import rollout
 import value
-from tasks import DataError, load_problems
+from engineering import checkpoint, models
+from engineering.tasks import DataError, load_problems
 from reward import STOP
 
 PROMPT = "What is 1+2+4-1?\n"

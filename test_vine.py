@@ -17,19 +17,17 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import batching
-import checkpoint
-import models
 import generation
-import parallel
 import ppo
 import reward
 import rollout
 import train
 import value
 import vine
-from sft import sft_target
+from engineering import checkpoint, models, parallel
+from engineering.sft import sft_target
 from reward import extract_answer, gsm8k_reward
-from tasks import DataError, arith_dataset, load_problems, read_jsonl, split_of
+from engineering.tasks import DataError, arith_dataset, load_problems, read_jsonl, split_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -598,7 +596,7 @@ def test_masked_whiten_with_global_statistics():
 
 
 def test_merge_metrics_of_several_processes():
-    import parallel
+    from engineering import parallel
     rows = [({"episodes": 8, "mc_states": 10}, {"train_reward": 0.5, "lr": 1e-5},
              {"time_mc_values": 2.0, "seconds": 5.0}),
             ({"episodes": 8, "mc_states": 14}, {"train_reward": 0.75, "lr": 1e-5},
@@ -867,7 +865,7 @@ def test_minibatch_gradient_and_losses_do_not_depend_on_the_processes(tmp_path):
     once."""
     script = tmp_path / "split.py"
     script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\n"
-                      "import parallel, test_vine\n"
+                      "from engineering import parallel\nimport test_vine\n"
                       "rank, world, _ = parallel.init(torch.device('cpu'))\n"
                       "mine = test_vine.split_episodes()[3 * rank: 3 * rank + 3]\n"
                       "out = {head: test_vine.minibatch_gradients(mine, head, 2)"
@@ -1232,7 +1230,8 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
     task = ["--data", str(data), "--eval-data", str(data), "--sft-steps", "40", "--sft-lr", "5e-3"]
     script = tmp_path / "run.py"  # train.py's main, then each process saves the weights it holds
     script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\nimport train\n"
-                      "import parallel\npolicy = train.main(train.parse_args(sys.argv[1:]))\n"
+                      "from engineering import parallel\n"
+                      "policy = train.main(train.parse_args(sys.argv[1:]))\n"
                       "weights = parallel.full_state_dict(policy)\n"  # FSDP: all shards gathered
                       f"torch.save(weights, os.path.join({str(out)!r}, "
                       "'rank' + os.environ['RANK'] + '.pt'))\n"

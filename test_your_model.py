@@ -14,17 +14,13 @@ import pytest
 import torch
 import transformers as hf
 
-import checkpoint
 import generation
-import models
 import ppo
-import prompts
 import reward
 import rollout
-import sft
-import tasks
 import train
 import vine
+from engineering import checkpoint, models, prompts, sft, tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOC = os.path.join(HERE, "docs", "your-own-model.md")

@@ -11,8 +11,8 @@ cache of their forward pass (rollout.py) -> the MC values, forked from that cach
 critic's values (value.py) -> advantages -> reference log-probs -> epochs of clipped PPO (ppo.py)
 -> log, evaluate, save.
 
-Needs: rollout, reward, vine, ppo, value (the algorithm); start, settings, checkpoint, parallel,
-batching (engineering). Read Config and its presets, main, evaluate; the command line at the end
+Needs: rollout, reward, vine, ppo, value (the algorithm); batching and the folder engineering/
+(start, settings, checkpoint, parallel, ...). Read Config and its presets, main, evaluate; the command line at the end
 may be skipped on a first reading.
 """
 import signal
@@ -39,22 +39,16 @@ import re
 import torch
 
 import batching
-import checkpoint
-import models
-import parallel
 import ppo
-import prompts
 import reward
 import rollout
-import settings
-import start
-import tasks
 import value
 import vine
-from settings import above, arg, at_least, between, one_of, ordered
+from engineering import checkpoint, models, parallel, prompts, settings, start, tasks
+from engineering.settings import above, arg, at_least, between, one_of, ordered
 
 
-# ---- the settings: python train.py --help lists them (settings.py: how a rule is checked) ------
+# ---- the settings: python train.py --help lists them (engineering/settings.py: a rule) -----
 # A rule: (a test, the words for what it expects); at_least(0) and the like are rules too.
 DEVICE = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "'auto', 'cpu', 'cuda' or 'cuda:N'")
 STEPS = (lambda v: ordered(v, 1), "MIN-MAX, 1 <= MIN <= MAX")

@@ -10,10 +10,9 @@ import string
 
 from tqdm import tqdm
 
-import parallel
 import reward
-import tasks
-from tasks import DataError, first_line
+from engineering import parallel, tasks
+from engineering.tasks import DataError, first_line
 
 
 def pose_problems(cfg, tok, problems: list[dict], context: int | None = None):

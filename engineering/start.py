@@ -2,8 +2,8 @@
 
 The process and its precision, the output directory and its lock, the data, the models (the SFT
 warm start, the frozen reference, the critic) and their optimizers; at the end, how a run exits.
-Needs: checkpoint, models, sft, tasks, prompts, parallel, ppo (Learner), value (Critic).
-All engineering: a first reading may skip this file."""
+All engineering, skipped on a first reading; a run's life, step by step, and which function
+does each: docs/runs-that-survive.md."""
 import copy
 import fcntl
 import math
@@ -19,16 +19,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-import checkpoint
 import generation
-import models
-import parallel
 import ppo
-import prompts
-import sft
-import tasks
 import value
-from tasks import DataError, first_line
+from engineering import checkpoint, models, parallel, prompts, sft, tasks
+from engineering.tasks import DataError, first_line
 
 # so DDP and FSDP take it
 RECOMPUTE = dict(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -14,10 +14,10 @@ import shutil
 import torch
 from tqdm import tqdm
 
-import parallel
 import value
-from models import without_dropout
-from tasks import DataError, first_line
+from engineering import parallel
+from engineering.models import without_dropout
+from engineering.tasks import DataError, first_line
 
 # what the optimizers and LR schedules restored from a checkpoint were built with, and keep
 RATES = ("lr", "critic_lr", "warmup")

@@ -9,11 +9,11 @@ import re
 import torch
 from tqdm import tqdm
 
-import parallel
 import ppo
 import rollout
-from prompts import encode_prompt, stop_ids
-from tasks import DataError
+from engineering import parallel
+from engineering.prompts import encode_prompt, stop_ids
+from engineering.tasks import DataError
 
 
 def sft_target(answer: str, style: str = "hash", chat: bool = False) -> str:

@@ -12,8 +12,8 @@ from torch import nn
 from tqdm import tqdm
 
 import generation
-import parallel
-from tasks import DataError, first_line
+from engineering import parallel
+from engineering.tasks import DataError, first_line
 
 ALIASES = {"rho-math-1.1b": "realtreetune/rho-1b-sft-GSM8K"}  # the reference's SFT checkpoint
 
@@ -70,7 +70,7 @@ def load_model(name: str, device, trust_remote_code=False, resuming: bool = Fals
         model.to(device)
     except Exception as e:  # hub, network and format errors all end here: one line, not a traceback
         if resuming:  # the run's own files, not a setting the user gave
-            from checkpoint import start_again  # (checkpoint imports this file)
+            from engineering.checkpoint import start_again  # (checkpoint imports this file)
             raise start_again(f"{name} cannot be loaded ({first_line(e)})") from None
         if isinstance(e, FileNotFoundError):
             raise DataError(f"{flag} {name!r}: {first_line(e)}") from None
