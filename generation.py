@@ -1,20 +1,24 @@
 """VinePPO's environment reset (arXiv 2410.01679v1, §3), and HF `generate` on it.
 
 A continuation of a prefix is, by definition, what `generate` samples after the prefix is
-encoded (fresh_decode, at the end, does just that). Here the prefix is not encoded again: its
-keys and values are copied out of the KV cache of the pass that encoded it (the old-log-prob
-pass, or sample's encoding of the prompts), k times, into buffers with room to decode on, and
-`generate` samples on from there: greedy, the same tokens as `generate` on the prefix alone
-(test_your_model.py: test_greedy_continuations_of_every_state_equal_a_fresh_encode), without
-encoding any state twice.
+encoded: fresh_decode does just that. fork is the speed-up: the prefix is not encoded again;
+its keys and values are copied out of the KV cache of the pass that encoded it (the
+old-log-prob pass, or sample's encoding of the prompts), k times, into buffers with room to
+decode on, and `generate` samples on from there. Greedy, the two give the same tokens
+(test_your_model.py: test_greedy_continuations_of_every_state_equal_a_fresh_encode, on 13
+architectures). What fork relies on in transformers 5, which that test would catch changing:
+- a forward pass with use_cache returns `out.cache` (formerly past_key_values), a DynamicCache;
+  iterating it yields each layer's (keys, values, ...), each [B, H, L, D];
+- `generate` feeds the model only the ids past the cache's length, and numbers a row's
+  positions by the cumulative sum of its attention mask, minus one;
+- a cache layer is a DynamicLayer with `keys`, `values`, `is_initialized` and `update`
+  (PreallocatedLayer).
 
-Read in order: continue_from_cache, decode_forks, fork, copy_columns, PreallocatedLayer,
-generate, finish.
-Below the line: the stop string's cut, generate's settings, the GPU's gather, the batches and
-their reused buffers, caches that cannot be forked (encoded afresh).
+Read in order: continue_from_cache, decode_forks, fresh_decode, fork, copy_columns,
+PreallocatedLayer, generate, finish. Below the line: the stop string's cut, generate's
+settings, the GPU's gather, the batches and their reused buffers.
 """
 import torch
-from tqdm import tqdm
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
@@ -72,13 +76,28 @@ def decode_forks(model, cache, prefixes, rows, k: int, budget: int, sampling,
     return out[:, ids.shape[1]:].tolist()
 
 
+def fresh_decode(model, prefixes, k: int, budget: int, sampling):
+    """New ids of k continuations of each prefix, encoded afresh by `generate`, those of one
+    length together: no padding (a padded row can turn an eager sliding-window attention's
+    output to NaN)."""
+    device, new = next(model.parameters()).device, [None] * len(prefixes)
+    for length in sorted(set(map(len, prefixes))):
+        same = [j for j, p in enumerate(prefixes) if len(p) == length]
+        ids = torch.tensor([prefixes[j] for j in same for _ in range(k)], device=device)
+        out = generate(model, sampling, input_ids=ids, attention_mask=torch.ones_like(ids),
+                       max_new_tokens=budget)[:, length:].tolist()
+        for i, j in enumerate(same):
+            new[j] = out[i * k:(i + 1) * k]
+    return [row for rows in new for row in rows]
+
+
 def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
          method: str | None = None, allocate=None):
     """Reset to each prefix k times: ids [n*k, W], their mask, and a cache to decode on.
 
-    Prefix j is row rows[j] of `cache`, the right-padded pass of old_logprobs: its token t's
-    keys and values are in column t. One forked row, a prefix of 4 tokens, W = 6 (the longest
-    prefix given), the cache's capacity W-1 + new_tokens:
+    Prefix j is row rows[j] of `cache`, a right-padded pass (old_logprobs', or sample's
+    encoding of the prompts): its token t's keys and values are in column t. One forked row,
+    a prefix of 4 tokens, W = 6 (the longest prefix given), the cache's capacity W-1 + new_tokens:
 
         column   0    1    2    3    4    5    6 ...
         ids      pad  pad  p0   p1   p2   p3                  (W columns)
@@ -162,15 +181,15 @@ def generate(model, sampling, **inputs):
         model.generation_config = own
 
 
-def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None = None,
+def finish(seq: list[int], budget: int, end_ids, tokenizer=None, stop: str | None = None,
            before=()):
     """(row cut, finished): cut after its first end id, to its budget, and before `stop`.
 
     - generate pads a row that stopped early with eos_id (decoding's pad_token_id), so
       whatever follows the first end id is padding;
-    - eos_id: an id, or several (Sampling.stops: any ends it); a cut appends the first;
+    - end_ids: an id, or several (Sampling.stops: any ends it); a cut appends the first;
     - a row is finished when it ends in an end id: it stopped by itself within its budget."""
-    ends = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    ends = (end_ids,) if isinstance(end_ids, int) else tuple(end_ids)
     first = next((t for t, token in enumerate(seq) if token in ends), None)
     seq = (seq if first is None else seq[: first + 1])[:budget]
     if stop:
@@ -178,8 +197,8 @@ def finish(seq: list[int], budget: int, eos_id, tokenizer=None, stop: str | None
     return seq, bool(seq) and seq[-1] in ends
 
 
-# ---- engineering: the stop string, generate's settings, the GPU's gather, reused buffers,
-# unforkable caches (skip on a first reading)
+# ---- engineering: the stop string, generate's settings, the GPU's gather, reused buffers
+# (skip on a first reading)
 
 
 def cut_before_stop(seq: list[int], ends: tuple, tokenizer, stop: str, before) -> list[int]:
@@ -219,36 +238,6 @@ def decoding(sampling) -> dict:
     return dict(stopping, do_sample=False)
 
 
-# generation settings a model may set, at values that leave softmax(logits / T) as is
-NEUTRAL = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, typical_p=1.0,
-               epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
-               num_beams=1, min_length=0, length_penalty=1.0, use_cache=True,
-               output_attentions=False, output_hidden_states=False)
-
-
-NOT_SETTINGS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
-                "transformers_version")
-
-
-def overridden_settings(model) -> dict:
-    """The settings of model.generation_config that generate sets aside: those not
-    neutral. Its token ids are kept apart: its EOS ids end responses (prompts.stop_ids)."""
-    own = sorted(model.generation_config.to_dict().items())
-    return {key: value for key, value in own if value is not None and value != NEUTRAL.get(key)
-            and key not in NOT_SETTINGS and not key.startswith("_")}
-
-
-def announce_overridden_settings(model, rank: int):
-    """One line, from the first process, naming the model's own generation settings
-    that sampling does not use (overridden_settings); none: no line."""
-    own = overridden_settings(model)
-    if own and rank == 0:
-        shown = ", ".join(f"{key}={value!r}" for key, value in own.items())
-        tqdm.write(f"the model's generation_config sets {shown}: not used; responses, MC "
-                   "continuations and evaluation sample softmax(logits / T) with --temperature "
-                   "and --top-p (T = 0: greedy)")
-
-
 def fork_dtype(cache, device):
     """One dtype for keys and values: autocast's when on (attention casts both to it anyway),
     else the cache's."""
@@ -261,10 +250,11 @@ def gather_columns(x, sources: list[int], ends: list[int], width: int, capacity:
     """copy_columns by one indexed read and one fill: a few large GPU kernels per layer
     (the columns from W-1 on hold copies, overwritten as generate decodes)."""
     device = x.device
-    starts = width - torch.tensor(ends, device=device)[:, None]
-    cols = torch.arange(capacity, device=device)[None, :] - starts  # column c reads c - start
-    rows = torch.tensor(sources, device=device)[:, None, None]
-    heads = torch.arange(x.shape[1], device=device)[None, :, None]
+    starts = width - torch.tensor(ends, device=device)[:, None]  # [n*k, 1]
+    cols = torch.arange(capacity, device=device)[None, :] - starts  # [n*k, capacity]: c - start
+    rows = torch.tensor(sources, device=device)[:, None, None]  # [n*k, 1, 1]
+    heads = torch.arange(x.shape[1], device=device)[None, :, None]  # [1, H, 1]
+    # the three broadcast to [n*k, H, capacity]: buffer[i, h, c] = x[row i, h, c - start i]
     buffer = x[rows, heads, cols.clamp(0, x.shape[2] - 1)[:, None, :]].to(dtype)
     return buffer.masked_fill_((cols < 0)[:, None, :, None], 0)
 
@@ -314,18 +304,3 @@ def forkable(cache) -> bool:
     every position (a sliding-window layer keeps only the last window)."""
     return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer
                                                    for layer in cache.layers)
-
-
-def fresh_decode(model, prefixes, k: int, budget: int, sampling):
-    """New ids of k continuations of each prefix, encoded afresh by `generate`, those of one
-    length together: no padding (a padded row can turn an eager sliding-window attention's
-    output to NaN)."""
-    device, new = next(model.parameters()).device, [None] * len(prefixes)
-    for length in sorted(set(map(len, prefixes))):
-        same = [j for j, p in enumerate(prefixes) if len(p) == length]
-        ids = torch.tensor([prefixes[j] for j in same for _ in range(k)], device=device)
-        out = generate(model, sampling, input_ids=ids, attention_mask=torch.ones_like(ids),
-                       max_new_tokens=budget)[:, length:].tolist()
-        for i, j in enumerate(same):
-            new[j] = out[i * k:(i + 1) * k]
-    return [row for rows in new for row in rows]

@@ -5,7 +5,7 @@ each fork (generation.py). VinePPO's MC continuations take the same path from th
 pass's cache, which holds every state of a response (vine.py).
 
 Read in order: Sampling, Episode, sample_episodes, sample, old_logprobs, reference_logprobs,
-token_logprobs, per_response.
+response_logprobs, pad_right, token_logprobs, per_response.
 Below the line: small helpers.
 """
 from dataclasses import dataclass, field
@@ -160,6 +160,14 @@ def response_logprobs(model, episodes: list[Episode], temperature: float, pad_id
     return per_response(logp, episodes), cache
 
 
+def pad_right(seqs: list[list[int]], pad_id: int, device=None):
+    """ids [B, L] and mask, each row's token t in column t (generation.fork relies on it)."""
+    rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
+    return ids.to(device), mask.to(device)
+
+
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
     """log pi(x_{t+1} | x_<=t), [B, L-1], under softmax(logits / T); and the KV cache.
 
@@ -182,19 +190,12 @@ def per_response(logp, episodes):
             for i, ep in enumerate(episodes)]
 
 
-# ---- engineering: budgets, padding, log-softmax in pieces (skip on a first reading) --------
+# ---- engineering: the pad id, log-softmax in pieces (skip on a first reading) ---------------
 
 
 def pad_id(tok) -> int:
     """The tokenizer's pad id, or EOS where it has none (Llama's): padding is masked anyway."""
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-
-def pad_right(seqs: list[list[int]], pad_id: int, device=None):
-    rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
-    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
-    mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
-    return ids.to(device), mask.to(device)
 
 
 def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):

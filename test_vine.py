@@ -1493,13 +1493,13 @@ def test_sampling_sets_the_models_own_generation_settings_aside(model, capsys):
                          generation.fresh_decode(m, prefixes, 2, 8, sampling)))
         assert runs[0] == runs[1]
     assert own.generation_config.repetition_penalty == 5.0  # set aside for each call only
-    assert generation.overridden_settings(model) == {}
-    assert list(generation.overridden_settings(own)) == [
+    assert models.overridden_settings(model) == {}
+    assert list(models.overridden_settings(own)) == [
         "bad_words_ids", "epsilon_cutoff", "eta_cutoff", "min_new_tokens", "min_p",
         "no_repeat_ngram_size", "repetition_penalty", "suppress_tokens", "temperature", "top_k",
         "top_p", "typical_p"]
     for m, rank in ((own, 1), (model, 0), (own, 0)):  # one line, from the first process only
-        generation.announce_overridden_settings(m, rank)
+        models.announce_overridden_settings(m, rank)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and "repetition_penalty=5.0, suppress_tokens=[6]" in lines[0]
 

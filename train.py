@@ -12,8 +12,8 @@ critic's values (value.py) -> advantages -> reference log-probs -> epochs of cli
 -> log, evaluate, save.
 
 Needs: rollout, reward, vine, ppo, value (the algorithm); batching and the folder engineering/
-(start, settings, checkpoint, parallel, ...). Read Config and its presets, main, evaluate; the command line at the end
-may be skipped on a first reading.
+(start, settings, checkpoint, parallel, ...). Read Config and its presets, main, evaluate; the
+command line at the end may be skipped on a first reading.
 """
 import signal
 import sys
@@ -179,8 +179,7 @@ PRESETS = ((DEMO, "in the demo (--model tiny)"), (MATH, "with MATH data"))
 
 
 def main(cfg: Config):
-    # under torchrun one process per GPU (its rank of world); else 0 of 1
-    rank, world, device, autocast = start.start_process(cfg)
+    rank, world, device, autocast = start.start_process(cfg)  # torchrun: rank of world GPUs
     run = start.start_run(cfg, device, autocast)  # data, models, and where the run stands
     tok, policy, critic = run.tok, run.policy, run.critic
     sampling, mc, hp = algorithm_settings(cfg, tok, policy.model, world)
@@ -202,8 +201,8 @@ def main(cfg: Config):
         prompts.warn_if_unread(episodes, tok, f"iteration {it}")
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
-        # 4-5. old log-probs, a forward pass per batch; VinePPO forks its KV cache (row e holds
-        # batch[e]) for the values: V_hat(s_i), K continuations from every step start
+        # 4-5. old log-probs, a forward pass per batch (a prompt's responses in one); VinePPO
+        # forks its KV cache (row e holds batch[e]): V_hat(s_i), K continuations a step start
         mc_counts = collections.Counter()
         with autocast, parallel.unsharded(policy.model):
             for batch in batching.group_chunks(episodes, cfg.forward_batch_tokens):

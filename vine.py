@@ -1,17 +1,25 @@
 """VinePPO's credit assignment (Kazemnejad et al. 2024, arXiv 2410.01679v1, §4).
 
 Cut each response into reasoning steps; from the start s_i of every step sample K more
-continuations, forked from the old-log-prob pass's KV cache (generation.continue_from_cache);
-every token of step i takes A_i:
+continuations, forked from the old-log-prob pass's KV cache (generation.py); every token of
+step i takes A_i:
 
     V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)              (an unbiased MC value)
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),   r_i = R [i = n-1],   V(s_n) = 0
 
 n is the number of steps, R the response's reward, gamma = 1 (the KL term lives in the loss).
+s_i is the state before step i; value.py's critic has a state s_t before every token instead.
 
-Read in order: split_steps, mc_values, step_advantages, episode_advantages.
-Below the first line: the cheaper settings (adaptive K, reuse, top-up), each optional.
-Below the second: the tokens' text, which a first reading may skip.
+One MC value's path, as train.main runs it:
+
+    split_steps                ep.step_starts, where each step begins: s_i's end
+    rollout.old_logprobs       a forward pass; its KV cache's row e holds episodes[e]
+    mc_values                  V_hat of each distinct state, from that cache:
+      continuation_rewards       K continuations of each state (generation.continue_from_cache),
+                                 each graded with its response prefix (reward.response_reward)
+    ppo.assign_advantages      -> episode_advantages: step_advantages, token_advantages
+
+Read top to bottom; below the line: the cheaper settings (adaptive K, reuse, top-up).
 """
 from bisect import bisect_right
 from collections import Counter
@@ -39,6 +47,69 @@ def split_steps(episodes: list[rollout.Episode], tok):
     for ep in episodes:
         ep.step_starts = response_step_starts(tok, ep.response_ids, math=ep.math,
                                               boxed=ep.style == "boxed")
+
+
+def response_step_starts(tok, response_ids: list[int], math: bool = False,
+                         boxed: bool = False) -> list[int]:
+    """By GSM8K's rule (one line a step; boxed: --answer boxed's answer line), or by MATH's
+    (math: sentences and lines, LaTeX kept whole)."""
+    pieces = decoded_pieces(tok, response_ids)
+    if math:
+        return token_steps(pieces, math_grader.math_step_offsets("".join(pieces))[1:-1])
+    return step_starts(pieces, boxed)
+
+
+def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
+    """Token index where each step starts, by the reference's rule (tasks/gsm8k.py).
+
+    - a step opens at each line; leading empty lines join the first;
+    - the last non-empty line, empty lines after it and the answer ('\\n####'; boxed: the line
+      of the first \\boxed, from its '\\n') form one step; without an answer, every line does;
+    - a token is in its first character's step."""
+    text = "".join(token_texts)
+    answer_at = (text.rfind("\n", 0, max(0, text.find("\\boxed"))) if boxed
+                 else text.find("\n####"))
+    lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
+    nonempty = [i for i, line in enumerate(lines) if line.strip()]
+    opens = []  # character positions of the '\n' that opens a step
+    if nonempty:
+        last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
+        # line i opens a step for i from the first non-empty line's next to the last; its '\n'
+        # ends line i-1, at the length of lines 0..i-1 with their '\n's, minus one
+        opens = [sum(len(line) + 1 for line in lines[:i]) - 1
+                 for i in range(nonempty[0] + 1, last + 1)]
+    return token_steps(token_texts, opens)
+
+
+def token_steps(token_texts: list[str], opens: list[int]) -> list[int]:
+    """Token index where each step starts, given the character positions `opens` where steps
+    1, 2, ... start (step 0 starts at token 0)."""
+    # each token's first character
+    firsts = list(accumulate((len(piece) for piece in token_texts), initial=0))[:-1]
+    steps = [bisect_right(opens, char) for char in firsts]  # steps opened at or before it
+    return [0] + [t for t in range(1, len(steps)) if steps[t] != steps[t - 1]]
+
+
+def decoded_pieces(tok, ids: list[int]) -> list[str]:
+    """The text each token adds to the decoded sequence, as vLLM detokenizes.
+
+    Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9') and a byte
+    token can be part of a character; so each token gets what it adds to the text decoded
+    so far, and '' while the character it begins is incomplete."""
+    decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
+    # tokens before `read` have their pieces; the window decoded begins one piece earlier, at
+    # `start`, so that a token's leading space survives; `shown` is the window's text up to
+    # `read`, and token t's piece is what the window's text up to t adds to it
+    pieces, start, read, shown = [], 0, 0, ""
+    for t in range(len(ids)):
+        text = decode(ids[start: t + 1], skip_special_tokens=True)
+        if len(text) > len(shown) and not text.endswith("\ufffd"):
+            pieces.append(text[len(shown):])
+            start, read = read, t + 1
+            shown = decode(ids[start:read], skip_special_tokens=True)
+        else:
+            pieces.append("")
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -98,8 +169,9 @@ def state_keys(ep: rollout.Episode, max_states: int = 0) -> list:
 
 
 def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: int, sampling):
-    """Rewards [len(keys)][k] of k continuations of each state in keys (a state may repeat),
-    and their token count.
+    """Rewards [len(keys)][k] of k continuations of each state in keys, and their token count.
+
+    keys may name a state more than once (the cheaper settings' sampling_rounds: k rows of 1).
 
     A continuation is what the policy samples after the state, as if the state were encoded
     afresh; generation.continue_from_cache samples it from the old-log-prob pass's cache, in one
@@ -147,7 +219,7 @@ def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) ->
     return [a for a, lo, hi in zip(step_adv, starts, ends) for _ in range(hi - lo)]
 
 
-# ---- the cheaper settings: adaptive K, reuse, top-up (each optional, off by default) ----------
+# ---- the cheaper settings: adaptive K, reuse, top-up (off by default; skip on a first reading)
 
 def mc_values_cheaper(model, episodes, cache, sampling, mc: MCSettings) -> Counter:
     """mc_values with the cheaper settings, which change how many continuations a state gets
@@ -195,8 +267,7 @@ def reuse_step_advantages(values: list, outcome: float, counts: list) -> list[fl
 
 
 def continuations_wanted(k: int, through: dict, key, top_up: bool) -> int:
-    """Continuations a state gets first: k,
-    or with top_up k minus the other responses through it."""
+    """Continuations a state gets first: k, with top_up k minus the other responses through it."""
     return max(0, k - len(through[key]) + 1) if top_up else k
 
 
@@ -257,66 +328,3 @@ def sampling_rounds(model, episodes, cache, states: dict, wanted: dict, sampling
         todo = {key: more(rewards[key]) for key in todo} if more else {}
         todo = {key: n for key, n in todo.items() if n > 0}
     return rewards, tokens
-
-
-# ---- the tokens' text: steps found in the text, mapped to tokens (skip on a first reading) ----
-
-def response_step_starts(tok, response_ids: list[int], math: bool = False,
-                         boxed: bool = False) -> list[int]:
-    """By GSM8K's rule (one line a step; boxed: --answer boxed's answer line), or by MATH's
-    (math: sentences and lines, LaTeX kept whole)."""
-    pieces = decoded_pieces(tok, response_ids)
-    if math:
-        return token_steps(pieces, math_grader.math_step_offsets("".join(pieces))[1:-1])
-    return step_starts(pieces, boxed)
-
-
-def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
-    """Token index where each step starts, by the reference's rule (tasks/gsm8k.py).
-
-    - a step opens at each line; leading empty lines join the first;
-    - the last non-empty line, empty lines after it and the answer ('\\n####'; boxed: the line
-      of the first \\boxed, from its '\\n') form one step; without an answer, every line does;
-    - a token is in its first character's step."""
-    text = "".join(token_texts)
-    answer_at = (text.rfind("\n", 0, max(0, text.find("\\boxed"))) if boxed
-                 else text.find("\n####"))
-    lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
-    nonempty = [i for i, line in enumerate(lines) if line.strip()]
-    opens = []  # character positions of the '\n' that opens a step
-    if nonempty:
-        last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
-        # line i opens a step for i from the first non-empty line's next to the last; its '\n'
-        # ends line i-1, at the length of lines 0..i-1 with their '\n's, minus one
-        opens = [sum(len(line) + 1 for line in lines[:i]) - 1
-                 for i in range(nonempty[0] + 1, last + 1)]
-    return token_steps(token_texts, opens)
-
-
-def token_steps(token_texts: list[str], opens: list[int]) -> list[int]:
-    """Token index where each step starts,
-    given the character positions `opens` where steps 2.. start."""
-    # each token's first character
-    firsts = list(accumulate((len(piece) for piece in token_texts), initial=0))[:-1]
-    steps = [bisect_right(opens, char) for char in firsts]  # steps opened at or before it
-    return [0] + [t for t in range(1, len(steps)) if steps[t] != steps[t - 1]]
-
-
-def decoded_pieces(tok, ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded sequence, as vLLM detokenizes.
-
-    Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9') and a byte
-    token can be part of a character; so each token gets what it adds to the text decoded
-    so far, and '' while the character it begins is incomplete."""
-    decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
-    # the window is ids[start:]; shown = its text up to read
-    pieces, start, read, shown = [], 0, 0, ""
-    for t in range(len(ids)):
-        text = decode(ids[start: t + 1], skip_special_tokens=True)
-        if len(text) > len(shown) and not text.endswith("\ufffd"):
-            pieces.append(text[len(shown):])
-            start, read = read, t + 1
-            shown = decode(ids[start:read], skip_special_tokens=True)
-        else:
-            pieces.append("")
-    return pieces

@@ -1,5 +1,6 @@
 """The models a run trains: the tiny demo model, any model a user brings (a hub id, a
-save_pretrained directory or a .gguf file), dropout off, and --precision.
+save_pretrained directory or a .gguf file), dropout off, --precision, and the model's own
+generation settings that sampling sets aside.
 
 Needs: tasks.py (DataError), generation.py (which caches can be forked), parallel.py. All
 engineering: a first reading may skip this file (docs/your-own-model.md tells its settings)."""
@@ -189,6 +190,36 @@ def cast_linear_weights(model, precision: str):
             if isinstance(module, nn.Linear) and module.weight is not embedding:
                 module.to(torch.bfloat16)
     return model
+
+
+# generation settings a model may set, at values that leave softmax(logits / T) as is
+NEUTRAL = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, typical_p=1.0,
+               epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+               num_beams=1, min_length=0, length_penalty=1.0, use_cache=True,
+               output_attentions=False, output_hidden_states=False)
+
+
+NOT_SETTINGS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
+                "transformers_version")
+
+
+def overridden_settings(model) -> dict:
+    """The settings of model.generation_config that generate sets aside: those not
+    neutral. Its token ids are kept apart: its EOS ids end responses (prompts.stop_ids)."""
+    own = sorted(model.generation_config.to_dict().items())
+    return {key: value for key, value in own if value is not None and value != NEUTRAL.get(key)
+            and key not in NOT_SETTINGS and not key.startswith("_")}
+
+
+def announce_overridden_settings(model, rank: int):
+    """One line, from the first process, naming the model's own generation settings
+    that sampling does not use (overridden_settings); none: no line."""
+    own = overridden_settings(model)
+    if own and rank == 0:
+        shown = ", ".join(f"{key}={value!r}" for key, value in own.items())
+        tqdm.write(f"the model's generation_config sets {shown}: not used; responses, MC "
+                   "continuations and evaluation sample softmax(logits / T) with --temperature "
+                   "and --top-p (T = 0: greedy)")
 
 
 def announce_fork(cfg, policy):

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-import generation
 import ppo
 import value
 from engineering import checkpoint, models, parallel, prompts, sft, tasks
@@ -106,7 +105,7 @@ def load_run(cfg, device, autocast):
     context = getattr(policy.config, "max_position_embeddings", None)
     prompts.pose_problems(cfg, tok, train_set + eval_set, context)
     models.announce_fork(cfg, policy)
-    generation.announce_overridden_settings(policy, parallel.rank())
+    models.announce_overridden_settings(policy, parallel.rank())
     train_set, eval_set = (
         prompts.drop_long_prompts(problems, cfg.max_prompt_tokens, split, context)
         for problems, split in ((train_set, "training"), (eval_set, "held-out")))
