@@ -45,8 +45,8 @@ def padding_fraction(batches, lengths: list[int], budgets: list[int], copies: li
 def batch_overhead(model) -> int:
     """What one more generate batch costs, in padded positions: a decoding step reads every weight
     once per batch, and each cached position's keys and values once per row and layer, so a batch
-    costs what params / (2 layers x key/value width) padded positions do (bench.py's 58M model:
-    7,089; fitted to its decoding times on a CPU: 8,055)."""
+    costs what params / (2 x layers x key/value width) padded positions do (2: keys and values;
+    bench.py's 58M model: 7,089; fitted to its decoding times on a CPU: 8,055)."""
     config = model.config
     heads = config.num_attention_heads
     width = getattr(config, "head_dim", None) or config.hidden_size // heads

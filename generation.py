@@ -110,7 +110,8 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     - positions from the mask: `generate` numbers a row's tokens by the cumulative sum of its
       mask, so p0 is position 0 whatever its padding, as in the pass that made the cache.
     method "copy" (block copies, into buffers from `allocate` when given) or "gather" (the
-    default on a GPU: one indexed read per layer); the two give equal buffers."""
+    default on a GPU: one indexed read per layer); the two give equal buffers. One demo state's
+    fork, column by column: docs/one-response.md."""
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     method = method or ("gather" if device.type == "cuda" else "copy")
     assert method in FORK_METHODS, method

@@ -7,7 +7,8 @@ advantage, ... (collate draws it), as in the reference implementation, McGill-NL
 trainers/ppo_trainer.py, PPOTrainer._training_step (docs/reference.md pins its commit).
 
 Read in order: the estimators (masked_whiten, gae, group_advantages, k3_kl), ppo_loss,
-assign_advantages, Learner, ppo_update, minibatch_step. Below the line: bookkeeping.
+assign_advantages, Learner, ppo_update, minibatch_step. Below the line: bookkeeping, collate
+(its diagram: which position holds which token's fields) and the optimizer step.
 """
 import math
 from dataclasses import dataclass, field
@@ -163,8 +164,8 @@ class Learner:
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
-    """DeepSpeed's WarmupDecayLR (the reference's): log-shaped warm-up over >= 2 steps,
-    linear decay to 0."""
+    """DeepSpeed's WarmupDecayLR (the reference's): log-shaped warm-up over >= 2 steps (the
+    first at lr x log 1 = 0, as DeepSpeed's), then linear decay to 0."""
     if step < warmup:
         return math.log(step + 1) / math.log(max(2, warmup))
     return max(0.0, (total - step) / max(1, total - warmup))

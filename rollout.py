@@ -78,7 +78,7 @@ class Episode:
     advantages: torch.Tensor | None = None     # [T] one per response token
     old_logp: torch.Tensor | None = None       # [T] log-probs under the sampling policy
     ref_logp: torch.Tensor | None = None       # [T] log-probs under the reference
-    critic_values: torch.Tensor | None = None  # [T] the critic's V(s_t) before each token
+    critic_values: torch.Tensor | None = None  # [T] the critic's V before each response token
     returns: torch.Tensor | None = None        # [T] the critic's regression targets
     question: str = ""                         # the problem (MATH's grader reads it)
     math: bool = False                         # a MATH problem: MATH's grader and steps
@@ -102,8 +102,7 @@ def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> 
 
 
 @torch.no_grad()
-def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling: Sampling,
-           fork_method: str | None = None):
+def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling: Sampling):
     """k continuations of each prefix, and their finished flags (lists [n][k]).
 
     The prefixes are encoded, once each, in the batches they will decode in; then each batch's
@@ -120,8 +119,7 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
         cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
         c, f = generation.continue_from_cache(model, [prefixes[j] for j in part], k,
                                               [budgets[j] for j in part], sampling, cache=cache,
-                                              rows=list(range(len(part))),
-                                              fork_method=fork_method)
+                                              rows=list(range(len(part))))
         for j, cj, fj in zip(part, c, f):
             conts[j], finished[j] = cj, fj
     return conts, finished

@@ -91,7 +91,7 @@ def token_steps(token_texts: list[str], opens: list[int]) -> list[int]:
 
 
 def decoded_pieces(tok, ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded sequence, as vLLM detokenizes.
+    """The text each token adds to the decoded sequence (incremental detokenizing, as vLLM's).
 
     Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9') and a byte
     token can be part of a character; so each token gets what it adds to the text decoded
@@ -171,18 +171,17 @@ def state_keys(ep: rollout.Episode, max_states: int = 0) -> list:
 def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: int, sampling):
     """Rewards [len(keys)][k] of k continuations of each state in keys, and their token count.
 
-    keys may name a state more than once (the cheaper settings' sampling_rounds: k rows of 1).
-
     A continuation is what the policy samples after the state, as if the state were encoded
     afresh; generation.continue_from_cache samples it from the old-log-prob pass's cache, in one
-    batched call. A continuation that did not stop within its budget scores 0."""
-    budgets = [sampling.max_new_tokens - states[key][1] for key in keys]  # what b leaves
+    batched call. A continuation that did not stop within its budget scores 0. keys may name a
+    state twice: sampling_rounds (below) asks for one continuation at a time that way."""
+    holders = [states[key] for key in keys]  # (e, b): episodes[e], row e of the cache, holds it
+    budgets = [sampling.max_new_tokens - b for _, b in holders]  # what the response's b leaves
     conts, finished = generation.continue_from_cache(model, [list(key) for key in keys], k,
                                                      budgets, sampling, cache=cache,
-                                                     rows=[states[key][0] for key in keys])
+                                                     rows=[e for e, _ in holders])
     rewards = []
-    for key, continuations, stopped in zip(keys, conts, finished):
-        e, b = states[key]
+    for (e, b), continuations, stopped in zip(holders, conts, finished):
         prefix = episodes[e].response_ids[:b]
         rewards.append([reward.response_reward(episodes[e], prefix + c, sampling.tokenizer)
                         if f else 0.0 for c, f in zip(continuations, stopped)])

@@ -73,13 +73,15 @@ def wraps(total: int, sign: str, x: int) -> bool:
     return not 0 <= apply(total, sign, x) <= 9
 
 
+HELD_OUT = 5  # one question in 5 belongs to the held-out split
+
+
 def split_of(question: str) -> str:
     """'test' for one question in HELD_OUT, chosen by a hash of its text (the same on
     every machine)."""
     digest = hashlib.sha256(question.strip().encode()).digest()
     return "test" if int.from_bytes(digest[:8], "big") % HELD_OUT == 0 else "train"
 
-HELD_OUT = 5  # one question in 5 belongs to the held-out split
 
 ATTEMPTS = 20  # problems drawn per problem asked for, at most: small question spaces run out
 
