@@ -1,6 +1,6 @@
-"""Batches of least padding: how `rollout.sample` cuts its states into `generate` calls, and how the
-log-prob, value and reference passes cut episodes into forward passes, within a token budget. Needs
-no sibling. All engineering: a first reading may skip this file."""
+"""Batches of least padding: how `rollout.sample` cuts its prompts and `generation.fork_batches`
+its states into `generate` calls, and how the log-prob, value and reference passes cut episodes
+into forward passes, within a token budget. All engineering: a first reading may skip this file."""
 
 
 def least_padding(lengths: list[int], budgets: list[int], copies: list[int], max_tokens: int,

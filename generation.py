@@ -14,8 +14,8 @@ architectures). What fork relies on in transformers 5, which that test would cat
 - a cache layer is a DynamicLayer with `keys`, `values`, `is_initialized` and `update`
   (PreallocatedLayer).
 
-Read in order: continue_from_cache, decode_forks, fresh_decode, fork, copy_columns,
-PreallocatedLayer, generate, finish. Below the line: the stop string's cut, generate's
+Read in order: continue_from_cache, within_context, decode_forks, forkable, fresh_decode, fork,
+copy_columns, PreallocatedLayer, generate, finish. Below the line: the stop string's cut, generate's
 settings, the GPU's gather, the batches and their reused buffers.
 """
 import torch
@@ -61,6 +61,12 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
     return conts, finished
 
 
+def within_context(model, prefixes, budgets: list[int]) -> list[int]:
+    """Each budget cut to what the model's context leaves after its prefix."""
+    context = model.config.max_position_embeddings
+    return [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
+
+
 def decode_forks(model, cache, prefixes, rows, k: int, budget: int, sampling,
                  fork_method: str | None = None, allocate=None):
     """New ids [n*k][budget] of k forks of each prefix by HF `generate`.
@@ -74,6 +80,13 @@ def decode_forks(model, cache, prefixes, rows, k: int, budget: int, sampling,
     out = generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
                    max_new_tokens=budget)
     return out[:, ids.shape[1]:].tolist()
+
+
+def forkable(cache) -> bool:
+    """Whether fork can read states out of this cache: every layer a DynamicLayer that holds
+    every position (a sliding-window layer keeps only the last window)."""
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer
+                                                   for layer in cache.layers)
 
 
 def fresh_decode(model, prefixes, k: int, budget: int, sampling):
@@ -292,16 +305,3 @@ def reused_buffers(positions: int):
                                      device=device)
         return flat[slot][:size].view(shape)
     return allocate
-
-
-def within_context(model, prefixes, budgets: list[int]) -> list[int]:
-    """Each budget cut to what the model's context leaves after its prefix."""
-    context = model.config.max_position_embeddings
-    return [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
-
-
-def forkable(cache) -> bool:
-    """Whether fork can read states out of this cache: every layer a DynamicLayer that holds
-    every position (a sliding-window layer keeps only the last window)."""
-    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer
-                                                   for layer in cache.layers)

@@ -7,8 +7,8 @@ advantage, ... (collate draws it), as in the reference implementation, McGill-NL
 trainers/ppo_trainer.py, PPOTrainer._training_step (docs/reference.md pins its commit).
 
 Read in order: the estimators (masked_whiten, gae, group_advantages, k3_kl), ppo_loss,
-assign_advantages, Learner, ppo_update, minibatch_step. Below the line: bookkeeping, collate
-(its diagram: which position holds which token's fields) and the optimizer step.
+assign_advantages, Learner, ppo_update, minibatch_step, collate (which position holds which
+token's fields). Below the line: bookkeeping and the optimizer step.
 """
 import math
 from dataclasses import dataclass, field
@@ -248,7 +248,33 @@ def minibatch_step(batch, policy, critic, hp: PPOSettings, pad_id: int, device, 
                     learner is policy)
 
 
-# ---- engineering: statistics, non-finite guards, batching, the step (skip on a first reading) --
+def collate(episodes, pad_id, device):
+    """Padded ids [B, L], their mask, and the episodes' per-token fields, [B, L-1] each.
+
+    Position t of a field belongs to token t+1, the token whose log-prob is there
+    (rollout.token_logprobs). For the prompt <s> q1 q2 and the response a b </s>:
+
+        ids          <s>  q1   q2   a    b    </s>
+        position     0    1    2    3    4
+        action_mask  0    0    1    1    1          (a, b, </s>: the response's tokens)
+        advantages   0    0    A_a  A_b  A_</s>    (old_logp, ref_logp, ... alike)"""
+    ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes],
+                                  pad_id, device)
+    names = ("old_logp", "ref_logp", "advantages", "critic_values", "returns")
+    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device)
+           for k in ("action_mask", *names)}
+    for i, ep in enumerate(episodes):
+        actions = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
+        out["action_mask"][i, actions] = 1
+        for name in names:
+            if getattr(ep, name) is not None:
+                out[name][i, actions] = getattr(ep, name).to(device)
+    out["reward"] = torch.tensor([ep.reward for ep in episodes], device=device)
+    out["prompt_lens"] = torch.tensor([len(ep.prompt_ids) for ep in episodes], device=device)
+    return ids, mask, out
+
+
+# ---- engineering: statistics, non-finite guards, the step (skip on a first reading) ------------
 
 @dataclass
 class UpdateLog:
@@ -284,32 +310,6 @@ def minibatch_counts(fields: dict, critic) -> dict:
                                                  terms]))
     tokens, responses, critic_terms = total.clamp(min=1)
     return {"tokens": tokens, "responses": responses, "critic": critic_terms}
-
-
-def collate(episodes, pad_id, device):
-    """Padded ids [B, L], their mask, and the episodes' per-token fields, [B, L-1] each.
-
-    Position t of a field belongs to token t+1, the token whose log-prob is there
-    (rollout.token_logprobs). For the prompt <s> q1 q2 and the response a b </s>:
-
-        ids          <s>  q1   q2   a    b    </s>
-        position     0    1    2    3    4
-        action_mask  0    0    1    1    1          (a, b, </s>: the response's tokens)
-        advantages   0    0    A_a  A_b  A_</s>    (old_logp, ref_logp, ... alike)"""
-    ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes],
-                                  pad_id, device)
-    names = ("old_logp", "ref_logp", "advantages", "critic_values", "returns")
-    out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device)
-           for k in ("action_mask", *names)}
-    for i, ep in enumerate(episodes):
-        actions = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
-        out["action_mask"][i, actions] = 1
-        for name in names:
-            if getattr(ep, name) is not None:
-                out[name][i, actions] = getattr(ep, name).to(device)
-    out["reward"] = torch.tensor([ep.reward for ep in episodes], device=device)
-    out["prompt_lens"] = torch.tensor([len(ep.prompt_ids) for ep in episodes], device=device)
-    return ids, mask, out
 
 
 def optimizer_step(model, optim, scheduler=None, max_norm: float = 1.0) -> float | None:

@@ -4,6 +4,12 @@ A prompt is encoded once; its KV cache is then forked k times, and HF `generate`
 each fork (generation.py). VinePPO's MC continuations take the same path from the old-log-prob
 pass's cache, which holds every state of a response (vine.py).
 
+Notation, here and in vine.py, value.py and ppo.py: a sequence is a prompt of P tokens, then a
+response of T; a padded batch is right-padded, so column c holds the sequence's token c. s_i is
+the state before reasoning step i (vine.py's MC values); a critic values the state before each
+token, at the column of the token that ends it (value.py): response token j's at column P-1+j,
+where the log-prob of token j is too (token_logprobs).
+
 Read in order: Sampling, Episode, sample_episodes, sample, old_logprobs, reference_logprobs,
 response_logprobs, pad_right, token_logprobs, per_response.
 Below the line: small helpers.
@@ -131,7 +137,8 @@ def old_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int
     """Set ep.old_logp ([T]) by one forward pass over the episodes.
 
     Returns the pass's KV cache when keep_cache (row e holds episodes[e]: VinePPO forks it),
-    else None."""
+    else None. Attention is causal, so the keys and values of a state's tokens in this pass are
+    those the state would have alone: every state of a response is in its row."""
     logps, cache = response_logprobs(model, episodes, temperature, pad_id, keep_cache)
     for ep, lp in zip(episodes, logps):
         ep.old_logp = lp

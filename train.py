@@ -201,8 +201,8 @@ def main(cfg: Config):
         prompts.warn_if_unread(episodes, tok, f"iteration {it}")
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
-        # 4-5. old log-probs, a forward pass per batch (a prompt's responses in one); VinePPO
-        # forks its KV cache (row e holds batch[e]): V_hat(s_i), K continuations a step start
+        # 4-5. old log-probs, one forward pass a batch (a prompt's responses in one); VinePPO
+        # forks the pass's KV cache (row e holds batch[e]) for K continuations of each state
         mc_counts = collections.Counter()
         with autocast, parallel.unsharded(policy.model):
             for batch in batching.group_chunks(episodes, cfg.forward_batch_tokens):

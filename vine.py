@@ -4,7 +4,7 @@ Cut each response into reasoning steps; from the start s_i of every step sample 
 continuations, forked from the old-log-prob pass's KV cache (generation.py); every token of
 step i takes A_i:
 
-    V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)              (an unbiased MC value)
+    V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)    (unbiased for the policy that samples)
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),   r_i = R [i = n-1],   V(s_n) = 0
 
 n is the number of steps, R the response's reward, gamma = 1 (the KL term lives in the loss).
@@ -64,7 +64,8 @@ def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
 
     - a step opens at each line; leading empty lines join the first;
     - the last non-empty line, empty lines after it and the answer ('\\n####'; boxed: the line
-      of the first \\boxed, from its '\\n') form one step; without an answer, every line does;
+      of the first \\boxed, from its '\\n') form one step; without an answer, every line does
+      (an answer on the first line, with no '\\n' before it, counts as none);
     - a token is in its first character's step."""
     text = "".join(token_texts)
     answer_at = (text.rfind("\n", 0, max(0, text.find("\\boxed"))) if boxed
