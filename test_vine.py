@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -140,6 +141,71 @@ def test_mc_values_cap_leaves_none(monkeypatch):
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, pad_id=0)
     vine.mc_values(None, [ep], None, sampling, vine.MCSettings(2, max_states=2))
     assert ep.step_values == [1.0, 1.0, None, None]
+
+
+def definition_page_block() -> dict:
+    """The functions of docs/mc-values-by-definition.md's python block."""
+    page = open(os.path.join(HERE, "docs", "mc-values-by-definition.md")).read()
+    block = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    assert len(block.splitlines()) < 40  # as the README says
+    functions = {}
+    exec(block, functions)
+    return functions
+
+
+@pytest.mark.slow
+def test_the_definition_page_gives_mc_values_numbers(tmp_path):
+    """docs/mc-values-by-definition.md's block (each state encoded afresh by generate, one
+    continuation at a time) and the project's path (forked from the old-log-prob cache, states
+    shared, batched) agree, greedy: on a random model the same continuations, token for token;
+    on one that knows an answer by heart, the same values and step advantages, some 1 (its
+    answer's states), some 0 (another prompt's, a prefix it never saw)."""
+    definition = definition_page_block()
+    models.build_tiny_model(str(tmp_path), seed=0)
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ids = lambda text: tok(text, add_special_tokens=False).input_ids
+    end = [tok.eos_token_id]
+    prompt, other = ([tok.bos_token_id] + ids(f"What is {q}?\n") for q in ("2+3-1", "2+3-2"))
+    right, gold = ids("\n2+3=5\n5-1=4\n#### 4") + end, "2+3=5\n5-1=4\n#### 4"
+    episodes = [rollout.Episode(prompt, right, gold, 0, True),
+                rollout.Episode(prompt, ids("\n2+3=5, so five\n5-1=4\n#### 4") + end, gold, 0,
+                                True),
+                rollout.Episode(prompt, ids("\n2+3=6\n6-1=5\n#### 5") + end, gold, 0, True),
+                rollout.Episode(prompt, ids("\n2+3=5\n5-"), gold, 0, False),
+                rollout.Episode(other, ids("\n2+3=5\n5-2=3\n#### 3") + end,
+                                "2+3=5\n5-2=3\n#### 3", 1, True)]
+    for ep in episodes:
+        ep.reward = reward.response_reward(ep, ep.response_ids, tok) if ep.finished else 0.0
+    vine.split_steps(episodes, tok)
+    greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=20,
+                              eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), tokenizer=tok)
+    # the random model: every state's continuation, forked and afresh
+    cache = rollout.old_logprobs(model, episodes, 1.0, greedy.pad_id, keep_cache=True)
+    states = vine.distinct_states(episodes)  # state tokens -> (e, b)
+    forked = generation.continue_from_cache(model, [list(s) for s in states], 1,
+                                            [20 - b for _, b in states.values()], greedy,
+                                            cache=cache, rows=[e for e, _ in states.values()])
+    afresh = [definition["continuation"](model, tok.eos_token_id, list(s), 20 - b, 0.0)
+              for s, (_, b) in states.items()]
+    assert forked == ([[c] for c, _ in afresh], [[f] for _, f in afresh])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(60):  # by heart
+        model(input_ids=torch.tensor([prompt + right]), labels=torch.tensor([prompt + right])
+              ).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    cache = rollout.old_logprobs(model, episodes, 1.0, greedy.pad_id, keep_cache=True)
+    vine.mc_values(model, episodes, cache, greedy, vine.MCSettings(k=2))
+    for ep in episodes:
+        by_definition = [definition["mc_value"](model, tok, ep, start, 2, 20, 0.0)
+                         for start in ep.step_starts]
+        assert ep.step_values == by_definition
+        assert (definition["step_advantages"](model, tok, ep, 2, 20, 0.0)
+                == vine.step_advantages(ep.step_values, ep.reward))
+    assert [episodes[e].step_values for e in (0, 1, 4)] == [[1, 1], [1, 0], [0, 0]]
 
 
 def reference_rollout_count(rewards: list[int], k: int, increment: int, max_k: int,

@@ -8,7 +8,7 @@ step i takes A_i:
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),   r_i = R [i = n-1],   V(s_n) = 0
 
 n is the number of steps, R the response's reward, gamma = 1 (the KL term lives in the loss).
-s_i is the state before step i; value.py's critic has a state s_t before every token instead.
+The same values by their definition, generate alone: docs/mc-values-by-definition.md.
 
 One MC value's path, as train.main runs it:
 
