@@ -42,22 +42,24 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
     if not prefixes:
         return [], []
     budgets = within_context(model, prefixes, budgets)
-    was_training = model.training
-    model.eval()  # no dropout while sampling; restored on return
     conts, finished = [None] * len(prefixes), [None] * len(prefixes)
     chunks, allocate = fork_batches(model, prefixes, budgets, k, sampling.max_batch_tokens)
-    for chunk in chunks:  # a list of prefix indices
-        budget = max(budgets[j] for j in chunk)
-        new = [[]] * (len(chunk) * k)  # [len(chunk) * k] rows of new ids, k per prefix
-        if budget > 0:
-            new = decode_forks(model, cache, [prefixes[j] for j in chunk],
-                               [rows[j] for j in chunk], k, budget, sampling, fork_method,
-                               allocate)
-        for i, j in enumerate(chunk):
-            results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer,
-                              sampling.stop, prefixes[j]) for seq in new[i * k:(i + 1) * k]]
-            conts[j], finished[j] = [c for c, _ in results], [f for _, f in results]
-    model.train(was_training)
+    was_training = model.training
+    model.eval()  # no dropout while sampling; restored on return, or on an error
+    try:
+        for chunk in chunks:  # a list of prefix indices
+            budget = max(budgets[j] for j in chunk)
+            new = [[]] * (len(chunk) * k)  # [len(chunk) * k] rows of new ids, k per prefix
+            if budget > 0:
+                new = decode_forks(model, cache, [prefixes[j] for j in chunk],
+                                   [rows[j] for j in chunk], k, budget, sampling, fork_method,
+                                   allocate)
+            for i, j in enumerate(chunk):
+                results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer,
+                                  sampling.stop, prefixes[j]) for seq in new[i * k:(i + 1) * k]]
+                conts[j], finished[j] = [c for c, _ in results], [f for _, f in results]
+    finally:
+        model.train(was_training)
     return conts, finished
 
 
@@ -184,7 +186,7 @@ class PreallocatedLayer(DynamicLayer):
 
 def generate(model, sampling, **inputs):
     """HF `generate` with decoding's settings and no others: softmax(logits / T) with top-p
-    (greedy: the argmax), the distribution the log-probs model.
+    (greedy: the argmax); at top-p 1, exactly the distribution the log-probs model.
 
     generate fills every setting a call leaves unset from model.generation_config, even when
     given a GenerationConfig (repetition_penalty, min_p, top_k, ...): it is set aside."""

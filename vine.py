@@ -92,11 +92,11 @@ def token_steps(token_texts: list[str], opens: list[int]) -> list[int]:
 
 
 def decoded_pieces(tok, ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded sequence (incremental detokenizing, as vLLM's).
+    """The text each token adds to the decoded text: "".join(pieces) is the text.
 
-    Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9') and a byte
-    token can be part of a character; so each token gets what it adds to the text decoded
-    so far, and '' while the character it begins is incomplete."""
+    Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9'; its piece
+    here is ' 9'), and a byte token can be part of a character: its piece is '' until the
+    character is complete (incremental detokenizing, as vLLM's)."""
     decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
     # tokens before `read` have their pieces; the window decoded begins one piece earlier, at
     # `start`, so that a token's leading space survives; `shown` is the window's text up to
