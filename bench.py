@@ -41,6 +41,7 @@ one ends in one line and exit status 2.
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import io
 import json
@@ -260,6 +261,13 @@ def memory_and_speed(a):
     print(json.dumps(result))
 
 
+def forking_by(method: str):
+    """generation.fork with its method ("copy" or "gather") fixed, where continue_from_cache
+    calls it (its default: by the device)."""
+    fork = functools.partial(generation.fork, method=method)
+    return mock.patch.object(generation, "fork", fork)
+
+
 def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
     """The fork benchmark: a random model built from `a` (or `model`), the methods in `only`
     (default: all)."""
@@ -294,8 +302,9 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
 
     def fork_batch(cache, method="copy"):
         batched = dataclasses.replace(sampling, max_batch_tokens=a.max_batch_tokens)
-        out, done = generation.continue_from_cache(model, prefixes, a.k, budgets, batched,
-                                                   cache=cache, rows=rows, fork_method=method)
+        with forking_by(method):
+            out, done = generation.continue_from_cache(model, prefixes, a.k, budgets, batched,
+                                                       cache=cache, rows=rows)
         assert sum(len(c) for cs in out for c in cs) == n_tokens and not any(map(any, done))
 
     mean_len = round(sum(map(len, prefixes)) / len(prefixes))

@@ -29,7 +29,7 @@ FORK_METHODS = ("copy", "gather")
 
 @torch.no_grad()
 def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling,
-                        *, cache, rows: list[int], fork_method: str | None = None):
+                        *, cache, rows: list[int]):
     """k continuations of each prefix, and their finished flags (lists [n][k]).
 
     Prefix j is row rows[j] of `cache`, a right-padded forward pass (its token t in column t):
@@ -52,8 +52,7 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
             new = [[]] * (len(chunk) * k)  # [len(chunk) * k] rows of new ids, k per prefix
             if budget > 0:
                 new = decode_forks(model, cache, [prefixes[j] for j in chunk],
-                                   [rows[j] for j in chunk], k, budget, sampling, fork_method,
-                                   allocate)
+                                   [rows[j] for j in chunk], k, budget, sampling, allocate)
             for i, j in enumerate(chunk):
                 results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer,
                                   sampling.stop, prefixes[j]) for seq in new[i * k:(i + 1) * k]]
@@ -69,16 +68,15 @@ def within_context(model, prefixes, budgets: list[int]) -> list[int]:
     return [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
 
 
-def decode_forks(model, cache, prefixes, rows, k: int, budget: int, sampling,
-                 fork_method: str | None = None, allocate=None):
+def decode_forks(model, cache, prefixes, rows, k: int, budget: int, sampling, allocate=None):
     """New ids [n*k][budget] of k forks of each prefix by HF `generate`.
 
     Prefix j is row rows[j] of `cache`; sampling is a rollout.Sampling. One batch's buffers are
     alive at a time (allocate: the next batch reuses them)."""
     if not forkable(cache):  # each prefix encoded afresh: right for any cache, slower
         return fresh_decode(model, prefixes, k, budget, sampling)
-    ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id, fork_method,
-                             allocate)
+    ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id,
+                             allocate=allocate)
     out = generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
                    max_new_tokens=budget)
     return out[:, ids.shape[1]:].tolist()

@@ -343,7 +343,7 @@ def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
 # ---- G. the gather fork equals the copying one ----------------------------------------------
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_gather_fork_equals_copy_fork(model, autocast):
+def test_gather_fork_equals_copy_fork(model, autocast, monkeypatch):
     seqs = random_seqs([20, 9, 14], seed=2)
     ids, mask = rollout.pad_right(seqs, 0)
     rows, ends = [0, 2, 1, 0, 1], [7, 11, 6, 16, 9]
@@ -353,9 +353,15 @@ def test_gather_fork_equals_copy_fork(model, autocast):
         copied = generation.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
         gathered = generation.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
         greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=2, pad_id=0)
-        samples = [generation.continue_from_cache(model, prefixes, 2, [6] * 5, greedy, cache=cache,
-                                                  rows=rows, fork_method=method)
-                   for method in generation.FORK_METHODS]
+        samples, gathers = [], []
+        gather = generation.gather_columns
+        monkeypatch.setattr(generation, "gather_columns",
+                            lambda *args: gathers.append(1) or gather(*args))
+        for method in generation.FORK_METHODS:  # bench's way to pick the method
+            with bench.forking_by(method):
+                samples.append(generation.continue_from_cache(model, prefixes, 2, [6] * 5, greedy,
+                                                              cache=cache, rows=rows))
+            assert bool(gathers) == (method == "gather")  # the method asked for ran
     assert samples[0] == samples[1]
     assert torch.equal(copied[0], gathered[0]) and torch.equal(copied[1], gathered[1])
     # the W-1 cached columns (decoding fills the rest)

@@ -72,13 +72,12 @@ def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
                  else text.find("\n####"))
     lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
     nonempty = [i for i, line in enumerate(lines) if line.strip()]
+    newlines = [c for c, char in enumerate(text) if char == "\n"]  # newlines[i] ends line i
     opens = []  # character positions of the '\n' that opens a step
     if nonempty:
         last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
-        # line i opens a step for i from the first non-empty line's next to the last; its '\n'
-        # ends line i-1, at the length of lines 0..i-1 with their '\n's, minus one
-        opens = [sum(len(line) + 1 for line in lines[:i]) - 1
-                 for i in range(nonempty[0] + 1, last + 1)]
+        # lines first+1 .. last each open a step, with the '\n' that ends the line before
+        opens = newlines[nonempty[0]:last]
     return token_steps(token_texts, opens)
 
 
