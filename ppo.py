@@ -2,8 +2,8 @@
 
 - the update: clipped surrogate + k3 KL (ppo_loss), whitened advantages, AdamW (ppo_update);
 - the advantages: VinePPO's from MC values (vine.py), GAE's from a critic, GRPO's per group.
-Tensors are [B, L-1], aligned with the actions: position t holds token t+1's log-prob,
-advantage, ... (collate draws it), as in the reference implementation, McGill-NLP/VinePPO's
+Tensors are [B, L-1], aligned with the actions: column t holds token t+1's log-prob,
+advantage, ... (rollout.py's figure), as in the reference implementation, McGill-NLP/VinePPO's
 trainers/ppo_trainer.py, PPOTrainer._training_step (docs/reference.md pins its commit).
 
 Read in order: the estimators (masked_whiten, gae, group_advantages, k3_kl), ppo_loss,
@@ -231,6 +231,7 @@ def minibatch_step(batch, policy, critic, hp: PPOSettings, pad_id: int, device, 
                                    hp.kl_coef, n_tokens=counts["tokens"],
                                    n_responses=counts["responses"])
             log.skipped_batches += stats["skipped"]
+            # backward of loss x world size: DDP averages the processes' gradients
             parallel.backward_share(loss, stats, policy_shares)
         if critic is not None:
             with autocast:
@@ -251,13 +252,9 @@ def minibatch_step(batch, policy, critic, hp: PPOSettings, pad_id: int, device, 
 def collate(episodes, pad_id, device):
     """Padded ids [B, L], their mask, and the episodes' per-token fields, [B, L-1] each.
 
-    Position t of a field belongs to token t+1, the token whose log-prob is there
-    (rollout.token_logprobs). For the prompt <s> q1 q2 and the response a b </s>:
-
-        ids          <s>  q1   q2   a    b    </s>
-        position     0    1    2    3    4
-        action_mask  0    0    1    1    1          (a, b, </s>: the response's tokens)
-        advantages   0    0    A_a  A_b  A_</s>    (old_logp, ref_logp, ... alike)"""
+    Column t of a field belongs to token t+1, the token whose log-prob is there; response
+    token j is at column P-1+j (rollout.py's figure): action_mask is 1 there, and
+    old_logp, ref_logp, advantages, ... hold the episode's [T] values there, 0 elsewhere."""
     ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes],
                                   pad_id, device)
     names = ("old_logp", "ref_logp", "advantages", "critic_values", "returns")

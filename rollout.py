@@ -5,10 +5,17 @@ each fork (generation.py). VinePPO's MC continuations take the same path from th
 pass's cache, which holds every state of a response (vine.py).
 
 Notation, here and in vine.py, value.py and ppo.py: a sequence is a prompt of P tokens, then a
-response of T; a padded batch is right-padded, so column c holds the sequence's token c. s_i is
-the state before reasoning step i (vine.py's MC values); a critic values the state before each
-token, at the column of the token that ends it (value.py): response token j's at column P-1+j,
-where the log-prob of token j is too (token_logprobs).
+response of T; s_i is the state before reasoning step i (vine.py's MC values). The one figure of
+which column holds what (prompt <s> q1 q2, P = 3; response a b </s>, T = 3):
+
+    column c      0     1     2     3     4     5
+    ids           <s>   q1    q2    a     b     </s>   right-padded: column c holds token c
+    logp          q1    q2    a     b     </s>         [B, L-1]: column c predicts token c+1
+    action_mask   0     0     1     1     1            ppo.collate: the response's tokens
+    critic                    V_0   V_1   V_2   V_3    value.py: the state ending at token c
+
+Response token j sits at column P-1+j in every [B, L-1] tensor (its log-prob, advantage, ...),
+as does V_j, the value of the state before it (per_response cuts those columns out).
 
 Read in order: Sampling, Episode, sample_episodes, sample, old_logprobs, reference_logprobs,
 response_logprobs, pad_right, token_logprobs, per_response.
@@ -176,21 +183,16 @@ def pad_right(seqs: list[list[int]], pad_id: int, device=None):
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
     """log pi(x_{t+1} | x_<=t), [B, L-1], under softmax(logits / T); and the KV cache.
 
-    Position t predicts token t+1 (as the reference's PPOTrainer._forward_pass_actor, which
-    divides by the temperature too):
-
-        ids        <s>   q1    q2    a     b     </s>      (prompt <s> q1 q2, response a b </s>)
-        position   0     1     2     3     4
-        logp       q1    q2    a     b     </s>          (the response's: positions 2, 3, 4)"""
+    Column t predicts token t+1 (the figure at the top), as in the reference's
+    PPOTrainer._forward_pass_actor, which divides by the temperature too."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
     logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
     return logp, (out.cache if keep_cache else None)
 
 
 def per_response(logp, episodes):
-    """Row slices of a [B, L-1] tensor: one [T] tensor per episode, its response tokens'.
-
-    With P prompt tokens, response token j is predicted at position P - 1 + j (token_logprobs)."""
+    """Row slices of a [B, L-1] tensor: one [T] tensor per episode, its response tokens'
+    (response token j at column P-1+j: the figure at the top)."""
     return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
             for i, ep in enumerate(episodes)]
 

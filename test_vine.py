@@ -88,6 +88,19 @@ def test_step_split_reference_examples():
     assert split("A\n\n#### 5") == ["A\n\n#### 5"]
 
 
+def test_step_starts_docstring_cases_hold():
+    """The table of cases in step_starts' docstring is what the function does."""
+    rows = vine.step_starts.__doc__.split("one token a character:")[1].splitlines()[1:]
+    cases = [row.strip() for row in rows if row.strip().startswith("'")]
+    assert len(cases) == 4
+    for case in cases:
+        end = case.index("'", 1)  # the response between quotes, then its pieces
+        text = case[1:end].replace("\\n", "\n")
+        shown = case[end + 1:].strip().split("   ")[0]  # before the comment
+        pieces = [piece.replace("\\n", "\n") for piece in shown.split(" | ")]
+        assert split(text) == pieces, case
+
+
 def test_step_split_multichar_tokens_follow_first_character():
     # '.\n' carries the newline that opens step 2, so step 2 starts at the next token
     assert (split(None, ["A", ".\n", "B", "\n", "C", "\n#", "### 5", "</s>"[:0]])

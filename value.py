@@ -1,5 +1,5 @@
-"""Critics: the policy's backbone with an fp32 value head; column t belongs to s_t,
-the state ending at token t.
+"""Critics: the policy's backbone with an fp32 value head; a column values the state ending at
+its token: s_j, the prompt and j response tokens, at column P-1+j (rollout.py's figure).
   - "scalar":   V_t = w.H_t + c, MSE with value clipping (the PPO baseline; as the reference's
                 trainers/ppo_trainer.py, PPOTrainer._compute_critics_loss).
   - "tracking": TPPO: z_t = b + sum_{P <= i <= t} h_i, V_t = sigmoid(z_t) (b at P-1; a Bayes step

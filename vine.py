@@ -66,7 +66,11 @@ def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
     - the last non-empty line, empty lines after it and the answer ('\\n####'; boxed: the line
       of the first \\boxed, from its '\\n') form one step; without an answer, every line does
       (an answer on the first line, with no '\\n' before it, counts as none);
-    - a token is in its first character's step."""
+    - a token is in its first character's step. Cases, one token a character:
+        '\\na\\nb\\n#### 1'         \\na | \\nb\\n#### 1      leading empty lines join the first
+        'a\\n\\nb\\n#### 1'         a | \\n | \\nb\\n#### 1   an empty line between: a step
+        'a\\nb\\n'                 a | \\nb | \\n           no answer: every line is a step
+        'a\\n#### 1\\nb\\n#### 2'   a\\n#### 1\\nb\\n#### 2   the first '\\n####' is the answer"""
     text = "".join(token_texts)
     answer_at = (text.rfind("\n", 0, max(0, text.find("\\boxed"))) if boxed
                  else text.find("\n####"))
@@ -133,7 +137,8 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
     """Set ep.step_values[i] = V_hat(s_i) = 1/K sum_k R(s_i + continuation_k) (§4).
 
     - a state is the prompt + the response up to a step start; each distinct one is valued once;
-    - its K continuations are forked from `cache`, the old-log-prob pass: row e holds episodes[e];
+    - its K continuations are forked from `cache`, the old-log-prob pass over exactly these
+      episodes (train.main's batch): row e holds episodes[e];
     - a continuation is graded as the state's response prefix + the continuation;
     - past the first mc.max_states states: None (step_advantages puts R there).
     Returns the counts of states, continuations and continuation tokens."""
@@ -237,7 +242,8 @@ def mc_values_cheaper(model, episodes, cache, sampling, mc: MCSettings) -> Count
                          "not with max_k")
     states = distinct_states(episodes, mc.max_states)
     through = responses_through(states, episodes) if mc.reuse else {}
-    wanted = {key: continuations_wanted(mc.k, through, key, mc.top_up) for key in states}
+    # K each; top-up: K minus the other responses through it (through[key] has its holder too)
+    wanted = {key: max(0, mc.k - len(through[key]) + 1) if mc.top_up else mc.k for key in states}
     more = None  # how many more continuations a state gets after a round (adaptive K)
     if mc.max_k:
         more = lambda rewards: more_rollouts(rewards, mc.increment, mc.max_k, mc.ci_width)
@@ -263,11 +269,6 @@ def reuse_step_advantages(values: list, outcome: float, counts: list) -> list[fl
     joined = [v[i] if values[i] is None else (counts[i] * v[i] + outcome) / (counts[i] + 1)
               for i in range(1, len(v))]  # joined[i - 1] stands for V(s_i)
     return [joined[i] - v[i] for i in range(len(v) - 1)] + [outcome - v[-1]]
-
-
-def continuations_wanted(k: int, through: dict, key, top_up: bool) -> int:
-    """Continuations a state gets first: k, with top_up k minus the other responses through it."""
-    return max(0, k - len(through[key]) + 1) if top_up else k
 
 
 def value_samples(key, e: int, rewards: dict, through: dict, episodes) -> list[float] | None:
