@@ -121,7 +121,9 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     - W-1 cached columns: `generate` feeds the model only the ids past the cache's length, so
       it feeds the last prefix token itself (its logits pick the first new token);
     - positions from the mask: `generate` numbers a row's tokens by the cumulative sum of its
-      mask, so p0 is position 0 whatever its padding, as in the pass that made the cache.
+      mask, so p0 is position 0 whatever its padding, as in the pass that made the cache; the
+      copied keys keep the rotary positions that pass gave them, so p3 (fed at position 3) and
+      the new tokens (4, 5, ...) see the keys a fresh encoding of the prefix makes (to rounding).
     method "copy" (block copies, into buffers from `allocate` when given) or "gather" (the
     default on a GPU: one indexed read per layer); the two give equal buffers. One demo state's
     fork, column by column: docs/one-response.md."""

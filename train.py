@@ -201,18 +201,18 @@ def main(cfg: Config):
         prompts.warn_if_unread(episodes, tok, f"iteration {it}")
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
-        # 4-5. old log-probs, one forward pass a batch (a prompt's responses in one); VinePPO
-        # forks the pass's KV cache (row e holds batch[e]) for K continuations of each state
+        # 4-5. old log-probs, one forward pass a chunk (a prompt's responses in one); VinePPO
+        # forks the pass's KV cache (row e holds chunk[e]) for K continuations of each state
         mc_counts = collections.Counter()
         with autocast, parallel.unsharded(policy.model):
-            for batch in batching.group_chunks(episodes, cfg.forward_batch_tokens):
-                cache = rollout.old_logprobs(policy.model, batch, cfg.temperature,
+            for chunk in batching.group_chunks(episodes, cfg.forward_batch_tokens):
+                cache = rollout.old_logprobs(policy.model, chunk, cfg.temperature,
                                              sampling.pad_id, keep_cache=cfg.algo == "vineppo")
                 watch.lap("time_logprobs")
                 if cfg.algo == "vineppo":
-                    mc_counts += vine.mc_values(policy.model, batch, cache, sampling, mc)
+                    mc_counts += vine.mc_values(policy.model, chunk, cache, sampling, mc)
                     watch.lap("time_mc_values")
-                del cache  # before the next batch's forward pass allocates its own
+                del cache  # before the next chunk's forward pass allocates its own
         if critic is not None:  # PPO, TPPO: the critic's V(s_t) before each token
             critic_values(cfg, critic, episodes, sampling, autocast)
             watch.lap("time_critic_values")

@@ -138,7 +138,7 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
 
     - a state is the prompt + the response up to a step start; each distinct one is valued once;
     - its K continuations are forked from `cache`, the old-log-prob pass over exactly these
-      episodes (train.main's batch): row e holds episodes[e];
+      episodes (train.main's chunk): row e holds episodes[e];
     - a continuation is graded as the state's response prefix + the continuation;
     - past the first mc.max_states states: None (step_advantages puts R there).
     Returns the counts of states, continuations and continuation tokens."""
