@@ -261,7 +261,7 @@ def collate(episodes, pad_id, device):
     out = {k: torch.zeros(len(episodes), ids.shape[1] - 1, device=device)
            for k in ("action_mask", *names)}
     for i, ep in enumerate(episodes):
-        actions = slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
+        actions = rollout.response_columns(ep)
         out["action_mask"][i, actions] = 1
         for name in names:
             if getattr(ep, name) is not None:

@@ -15,10 +15,10 @@ which column holds what (prompt <s> q1 q2, P = 3; response a b </s>, T = 3):
     critic                    V_0   V_1   V_2   V_3    value.py: the state ending at token c
 
 Response token j sits at column P-1+j in every [B, L-1] tensor (its log-prob, advantage, ...),
-as does V_j, the value of the state before it (per_response cuts those columns out).
+as does V_j, the value of the state before it (rollout.response_columns).
 
 Read in order: Sampling, Episode, sample_episodes, sample, old_logprobs, reference_logprobs,
-response_logprobs, pad_right, token_logprobs, per_response.
+response_logprobs, pad_right, token_logprobs, response_columns, per_response.
 Below the line: small helpers.
 """
 from dataclasses import dataclass, field
@@ -190,11 +190,15 @@ def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = Fals
     return logp, (out.cache if keep_cache else None)
 
 
+def response_columns(ep) -> slice:
+    """The columns of ep's response tokens in a [B, L-1] tensor: token j at P-1+j (the figure
+    at the top)."""
+    return slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
+
+
 def per_response(logp, episodes):
-    """Row slices of a [B, L-1] tensor: one [T] tensor per episode, its response tokens'
-    (response token j at column P-1+j: the figure at the top)."""
-    return [logp[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.response_ids)].cpu()
-            for i, ep in enumerate(episodes)]
+    """Row slices of a [B, L-1] tensor: one [T] tensor per episode, its response tokens'."""
+    return [logp[i, response_columns(ep)].cpu() for i, ep in enumerate(episodes)]
 
 
 # ---- engineering: the pad id, log-softmax in pieces (skip on a first reading) ---------------

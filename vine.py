@@ -76,12 +76,13 @@ def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
                  else text.find("\n####"))
     lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
     nonempty = [i for i, line in enumerate(lines) if line.strip()]
-    newlines = [c for c, char in enumerate(text) if char == "\n"]  # newlines[i] ends line i
+    # newlines[i]: the '\n' that ends line i and opens line i+1
+    newlines = [c for c, char in enumerate(text) if char == "\n"]
     opens = []  # character positions of the '\n' that opens a step
     if nonempty:
         last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
-        # lines first+1 .. last each open a step, with the '\n' that ends the line before
-        opens = newlines[nonempty[0]:last]
+        # each line after the first non-empty one, up to `last`, opens a step with its '\n'
+        opens = newlines[nonempty[0]:last]  # those of lines nonempty[0]+1 .. last
     return token_steps(token_texts, opens)
 
 
