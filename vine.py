@@ -81,8 +81,7 @@ def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
     opens = []  # character positions of the '\n' that opens a step
     if nonempty:
         last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
-        # each line after the first non-empty one, up to `last`, opens a step with its '\n'
-        opens = newlines[nonempty[0]:last]  # those of lines nonempty[0]+1 .. last
+        opens = newlines[nonempty[0]:last]  # the '\n's opening lines nonempty[0]+1 .. last
     return token_steps(token_texts, opens)
 
 
