@@ -1,4 +1,4 @@
-"""Batches of least padding: how `rollout.sample` cuts its prompts and `fast_fork.fork_batches`
+"""Batches of least padding: how `rollout.sample` cuts its prompts and `generation.fork_batches`
 its states into `generate` calls, and how the log-prob, value and reference passes cut episodes
 into forward passes, within a token budget. All engineering: a first reading may skip this file."""
 

@@ -16,14 +16,13 @@ architectures). What fork relies on in transformers 5, which that test would cat
 
 Read in order: continue_from_cache, within_context, decode_forks, forkable, fresh_decode, fork,
 copy_columns, PreallocatedLayer, generate, finish. Below the line: the stop string's cut, generate's
-settings. The speed-ups the fork calls (its batches, their reused buffers, the GPU's gather) are
-engineering/fast_fork.py's.
+settings, the GPU's gather, the batches and their reused buffers.
 """
 import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
-from engineering import fast_fork
+import batching
 
 FORK_METHODS = ("copy", "gather")
 
@@ -36,7 +35,7 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
     Prefix j is row rows[j] of `cache`, a right-padded forward pass (its token t in column t):
     the old-log-prob pass, whose row e holds episodes[e] (VinePPO's states), or
     rollout.sample's encoding of the prompts. sampling is a rollout.Sampling.
-    - the prefixes go to `generate` in batches of least padding (fast_fork.fork_batches);
+    - the prefixes go to `generate` in batches of least padding (fork_batches);
     - each batch is forked from the cache and decoded to its largest budget (decode_forks);
     - each row is cut to its own budget at an end id or the stop string (finish), and is
       finished only when it stopped by itself."""
@@ -44,8 +43,7 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
         return [], []
     budgets = within_context(model, prefixes, budgets)
     conts, finished = [None] * len(prefixes), [None] * len(prefixes)
-    chunks, allocate = fast_fork.fork_batches(model, prefixes, budgets, k,
-                                              sampling.max_batch_tokens)
+    chunks, allocate = fork_batches(model, prefixes, budgets, k, sampling.max_batch_tokens)
     was_training = model.training
     model.eval()  # no dropout while sampling; restored on return, or on an error
     try:
@@ -144,9 +142,8 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     forked = DynamicCache()
     for layer, (keys, values, *_) in enumerate(cache):  # a layer's keys, values: [B, H, L, D]
         if method == "gather":
-            key_buffer = fast_fork.gather_columns(keys, sources, ends, width, capacity, dtype)
-            value_buffer = fast_fork.gather_columns(values, sources, ends, width, capacity,
-                                                    dtype)
+            key_buffer = gather_columns(keys, sources, ends, width, capacity, dtype)
+            value_buffer = gather_columns(values, sources, ends, width, capacity, dtype)
         else:
             key_buffer = copy_columns(keys, sources, ends, width, capacity, dtype,
                                       allocate, (layer, "keys"))
@@ -216,7 +213,7 @@ def finish(seq: list[int], budget: int, end_ids, tokenizer=None, stop: str | Non
     return seq, bool(seq) and seq[-1] in ends
 
 
-# ---- engineering: the stop string, generate's settings, the buffers' dtype
+# ---- engineering: the stop string, generate's settings, the GPU's gather, reused buffers
 # (skip on a first reading)
 
 
@@ -263,3 +260,50 @@ def fork_dtype(cache, device):
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return cache.layers[0].values.dtype
+
+
+def gather_columns(x, sources: list[int], ends: list[int], width: int, capacity: int, dtype):
+    """copy_columns by one indexed read and one fill: a few large GPU kernels per layer
+    (the columns from W-1 on hold copies, overwritten as generate decodes)."""
+    device = x.device
+    starts = width - torch.tensor(ends, device=device)[:, None]  # [n*k, 1]
+    cols = torch.arange(capacity, device=device)[None, :] - starts  # [n*k, capacity]: c - start
+    rows = torch.tensor(sources, device=device)[:, None, None]  # [n*k, 1, 1]
+    heads = torch.arange(x.shape[1], device=device)[None, :, None]  # [1, H, 1]
+    # the three broadcast to [n*k, H, capacity]: buffer[i, h, c] = x[row i, h, c - start i]
+    buffer = x[rows, heads, cols.clamp(0, x.shape[2] - 1)[:, None, :]].to(dtype)
+    return buffer.masked_fill_((cols < 0)[:, None, :, None], 0)
+
+
+def fork_batches(model, prefixes, budgets: list[int], k: int, max_tokens: int):
+    """(batches of prefix indices, the allocator of their fork buffers) for continue_from_cache:
+    least padding within max_tokens (batching.least_padding), one set of buffers reused."""
+    chunks = batching.least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
+                                    max_tokens, batching.batch_overhead(model))
+    return chunks, reused_buffers(largest_fork(chunks, prefixes, budgets, k))
+
+
+def largest_fork(chunks, prefixes, budgets, k: int) -> int:
+    """The cached positions of the largest fork among the chunks:
+    rows x (longest prefix - 1 + largest budget), fork's capacity."""
+    return max(len(chunk) * k * (max(len(prefixes[j]) for j in chunk) - 1
+                                 + max(budgets[j] for j in chunk)) for chunk in chunks)
+
+
+def reused_buffers(positions: int):
+    """fork's allocator for the batches of one continue_from_cache call.
+
+    Buffer `slot` (a layer's keys or values) of each batch is a view of one flat tensor,
+    made at the first fork for `positions` cached positions, the largest batch's. A CPU pays
+    for a fresh page the first time it is touched, and buffers this large go back to the OS
+    when freed, so each new batch would pay again (docs/speed-and-memory.md). Peak memory is
+    unchanged: the largest batch's."""
+    flat = {}
+
+    def allocate(slot, shape, dtype, device):  # shape [rows, H, columns, D]
+        size = shape[0] * shape[1] * shape[2] * shape[3]
+        if slot not in flat or flat[slot].numel() < size or flat[slot].dtype != dtype:
+            flat[slot] = torch.empty(max(size, positions * shape[1] * shape[3]), dtype=dtype,
+                                     device=device)
+        return flat[slot][:size].view(shape)
+    return allocate

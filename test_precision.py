@@ -21,7 +21,7 @@ import generation
 import ppo
 import rollout
 import value
-from engineering import fast_fork, models
+from engineering import models
 from test_vine import SMALL  # the tiny settings of test_vine's smoke runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -315,12 +315,12 @@ def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
     monkeypatch.setattr(batching, "batch_overhead", lambda _: 10 ** 6)  # the fewest batches: three
 
     def draw(reused_buffers):
-        monkeypatch.setattr(fast_fork, "reused_buffers", reused_buffers)
+        monkeypatch.setattr(generation, "reused_buffers", reused_buffers)
         torch.manual_seed(0)
         return generation.continue_from_cache(model, prefixes, 3, [6, 6, 6, 2, 6], sampling,
                                               cache=cache, rows=rows)
 
-    made, storage, reuse = [], set(), fast_fork.reused_buffers
+    made, storage, reuse = [], set(), generation.reused_buffers
 
     def poisoned(positions):
         assert positions == 6 * (22 - 1 + 6)  # the largest batch: 6 rows x (prefix - 1 + budget)
@@ -354,8 +354,8 @@ def test_gather_fork_equals_copy_fork(model, autocast, monkeypatch):
         gathered = generation.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
         greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=2, pad_id=0)
         samples, gathers = [], []
-        gather = fast_fork.gather_columns
-        monkeypatch.setattr(fast_fork, "gather_columns",
+        gather = generation.gather_columns
+        monkeypatch.setattr(generation, "gather_columns",
                             lambda *args: gathers.append(1) or gather(*args))
         for method in generation.FORK_METHODS:  # bench's way to pick the method
             with bench.forking_by(method):

@@ -137,7 +137,7 @@ def test_space_before_newline_old_boundary_one_token_early(llama_tok):
                          "\nShe sold 24 clips. \nIn all 72.\n#### 72\n")
     tokens = tok.convert_ids_to_tokens(ids)
     lone = [tok.decode([i], skip_special_tokens=True) for i in ids]  # the old way: each token alone
-    new, old = vine.response_step_starts(tok, ids), vine.step_starts(lone)
+    new, old = vine.response_step_starts(tok, ids), vine.line_step_starts(lone)
     newline = tokens.index("<0x0A>", 1)  # the newline that opens step 2
     assert tokens[newline - 1] == "▁" and lone[newline - 1] == ""
     assert new == [0, newline] and old == [0, newline - 1]
@@ -172,7 +172,7 @@ def test_char_level_boundaries_unchanged(char_tok):
     # specials too
     samples += [torch.randint(0, len(tok), (60,), generator=g).tolist() for _ in range(50)]
     for ids in samples:
-        assert vine.response_step_starts(tok, ids) == vine.step_starts([lone[i] for i in ids])
+        assert vine.response_step_starts(tok, ids) == vine.line_step_starts([lone[i] for i in ids])
 
 
 # ---- 3. SFT examples tokenized as sampling sees them ---------------------------------------

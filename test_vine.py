@@ -75,7 +75,7 @@ def test_arith_task_is_consistent_and_multistep(steps):
 
 def split(text, tokens=None):
     tokens = tokens or list(text)  # character-level tokens by default
-    starts = vine.step_starts(tokens)
+    starts = vine.line_step_starts(tokens)
     return ["".join(tokens[a:b]) for a, b in zip(starts, starts[1:] + [len(tokens)])]
 
 
@@ -89,8 +89,8 @@ def test_step_split_reference_examples():
 
 
 def test_step_starts_docstring_cases_hold():
-    """The table of cases in step_starts' docstring is what the function does."""
-    rows = vine.step_starts.__doc__.split("one token a character:")[1].splitlines()[1:]
+    """The table of cases in line_step_starts' docstring is what the function does."""
+    rows = vine.line_step_starts.__doc__.split("one token a character:")[1].splitlines()[1:]
     cases = [row.strip() for row in rows if row.strip().startswith("'")]
     assert len(cases) == 4
     for case in cases:
@@ -1218,7 +1218,7 @@ def test_grader_never_raises_on_any_text(completion, gold):
 @pytest.mark.parametrize("text", ADVERSARIAL)
 def test_grader_never_raises_on_adversarial_text(text):
     assert gsm8k_reward(text, "72") in (0.0, 1.0) and gsm8k_reward("#### 72", text) in (0.0, 1.0)
-    vine.step_starts(list(text[:5000]))  # the step splitter takes any text too
+    vine.line_step_starts(list(text[:5000]))  # the step splitter takes any text too
 
 
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}  # no test needs a hub; an unknown id fails at once

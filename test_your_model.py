@@ -59,7 +59,7 @@ def test_sft_writes_the_chosen_style_and_the_steps_keep_the_answer_in_the_last()
     assert sft.sft_target(gold, "boxed", chat=True) == "2+3=5\n5-1=4\nThe answer is \\boxed{4}."
     assert [reward.gsm8k_reward(boxed, gold, s) for s in ("hash", "boxed")] == [0.0, 1.0]
     pieces = lambda text, boxed: [text[a:b] for a, b in zip(
-        *(lambda s: (s, s[1:] + [len(text)]))(vine.step_starts(list(text), boxed)))]
+        *(lambda s: (s, s[1:] + [len(text)]))(vine.line_step_starts(list(text), boxed)))]
     assert pieces(hashed, False) == ["\n2+3=5", "\n5-1=4\n#### 4\n"]
     assert pieces(boxed, True) == ["\n2+3=5", "\n5-1=4\nThe answer is \\boxed{4}.\n"]
     # hash's rule

@@ -214,7 +214,7 @@ def main(cfg: Config):
                     watch.lap("time_mc_values")
                 del cache  # before the next chunk's forward pass allocates its own
         if critic is not None:  # PPO, TPPO: the critic's V(s_t) before each token
-            critic_values(cfg, critic, episodes, sampling, autocast)
+            value_with_critic(cfg, critic, episodes, sampling, autocast)
             watch.lap("time_critic_values")
         # 6. advantages: VinePPO's from the MC values, GAE's from the critic's, or GRPO's
         diagnostics = ppo.assign_advantages(cfg.algo, episodes, cfg.gamma, cfg.lam, cfg.lam_critic)
@@ -259,7 +259,7 @@ def algorithm_settings(cfg: Config, tok, model, world: int):
     return sampling, mc, hp
 
 
-def critic_values(cfg: Config, critic, episodes, sampling, autocast):
+def value_with_critic(cfg: Config, critic, episodes, sampling, autocast):
     """Phase 5 of PPO and TPPO: ep.critic_values, the critic's V(s_t) before each token."""
     with autocast, parallel.unsharded(critic.model):
         value.critic_values(critic.model, episodes, sampling.pad_id, cfg.forward_batch_tokens)

@@ -43,7 +43,7 @@ def split_steps(episodes: list[rollout.Episode], tok):
         pieces       '7+2=9' | '\\n9-5=4\\n#### 4'
         step_starts  [0, 5]
     so s_0 is the prompt and s_1 the prompt + '7+2=9' (its continuations begin with '\\n').
-    MATH's rule: sentences and lines (math_grader.math_step_offsets). Details: step_starts."""
+    MATH's rule: sentences and lines (math_grader.math_step_offsets). Details: line_step_starts."""
     for ep in episodes:
         ep.step_starts = response_step_starts(tok, ep.response_ids, math=ep.math,
                                               boxed=ep.style == "boxed")
@@ -56,10 +56,10 @@ def response_step_starts(tok, response_ids: list[int], math: bool = False,
     pieces = decoded_pieces(tok, response_ids)
     if math:
         return token_steps(pieces, math_grader.math_step_offsets("".join(pieces))[1:-1])
-    return step_starts(pieces, boxed)
+    return line_step_starts(pieces, boxed)
 
 
-def step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
+def line_step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
     """Token index where each step starts, by the reference's rule (tasks/gsm8k.py).
 
     - a step opens at each line; leading empty lines join the first;
