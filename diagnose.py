@@ -23,7 +23,7 @@ A_i, GRPO's group-normalised advantage (the same on every step) and a critic's V
 mean of the GAE (lambda = 1) advantages R - V(s_t) over the step's tokens, all before the
 update's whitening. Rows go to OUT/trace.json; OUT/trace.png when matplotlib exists.
 
---mc-settings: what each way of spending MC continuations (vine.mc_values' options) buys, on one
+--mc-settings: what each way of spending MC continuations (vine_cheaper.py) buys, on one
 batch shaped like training's (--trajectories problems x --group samples, the states deduplicated as
 training does). Every distinct state gets a ground truth from --gt-rollouts continuations; then each
 setting (fixed K = --mc-k, K/2 and 2K; adaptive; reuse; reuse with top-up) estimates the values,
@@ -53,6 +53,7 @@ import rollout
 import train
 import value
 import vine
+import vine_cheaper
 from engineering import settings
 from engineering.checkpoint import load_critic
 from engineering.models import load_model
@@ -330,7 +331,7 @@ def value_accuracy(a, tok, policy, sampling, problems, out):
 # ---- --mc-settings: what each way of spending MC continuations buys ------------------------------
 
 def settings_to_compare(k: int) -> dict:
-    """name -> vine.MCSettings' fields, built around fixed K = k."""
+    """name -> K (vine.MCSettings) and vine_cheaper.CheaperSettings' fields, around K = k."""
     half = max(1, k // 2)
     return {f"fixed K={k}": dict(k=k), f"fixed K={half}": dict(k=half),
             f"fixed K={2 * k}": dict(k=2 * k),
@@ -366,19 +367,24 @@ def mc_settings(a, tok, policy, sampling, problems, out):
     caches = [(chunk, logprob_pass(chunk)) for chunk in batching.group_chunks(episodes, 32768)]
     rows = {}
     for name, options in settings_to_compare(a.mc_k).items():
+        mc = vine.MCSettings(options["k"])
+        cheaper = vine_cheaper.CheaperSettings(**{o: v for o, v in options.items() if o != "k"})
+        step_advantages = lambda ep: (
+            vine_cheaper.reuse_step_advantages(ep.step_values, ep.reward, ep.step_counts)
+            if cheaper.reuse else vine.step_advantages(ep.step_values, ep.reward))
         runs = []
         for repeat in range(a.repeats):
             torch.manual_seed(a.seed + 1 + repeat)
             counts, seconds = collections.Counter(), 0.0
             for chunk, cache in caches:
                 began = time.perf_counter()
-                counts += vine.mc_values(policy, chunk, cache, sampling,
-                                         vine.MCSettings(**options))
+                counts += (vine_cheaper.mc_values(policy, chunk, cache, sampling, mc, cheaper)
+                           if cheaper.on() else vine.mc_values(policy, chunk, cache, sampling, mc))
                 seconds += time.perf_counter() - began
             errors = [(abs(v - t), abs(adv - true_adv))
                       for ep, tv, ta in zip(episodes, true_values, true_advantages)
                       for v, t, adv, true_adv in zip(ep.step_values, tv,
-                                                     vine.episode_step_advantages(ep), ta)]
+                                                     step_advantages(ep), ta)]
             runs.append([counts["mc_continuations"] / counts["mc_states"], counts["mc_tokens"],
                          seconds, *map(statistics.mean, zip(*errors))])
         rows[name] = dict(zip(("per_state", "mc_tokens", "seconds", "value_mae", "advantage_mae"),
@@ -466,7 +472,7 @@ def trace_steps(policy, critic, group, wrong, k, sampling) -> list[dict]:
     # ep.critic_values: V(s_t) before each response token;
     # GAE with gamma = lambda = 1 gives A_t = R - V(s_t)
     ppo.assign_advantages("ppo", [ep], 1.0, 1.0, 1.0)
-    pieces, ends = (vine.decoded_pieces(tok, ep.response_ids),
+    pieces, ends = (vine.token_texts(tok, ep.response_ids),
                     ep.step_starts[1:] + [len(ep.response_ids)])
     return [{"step": i, "text": "".join(pieces[lo:hi]), "tokens": hi - lo, "rewards": r,
              "value": ep.step_values[i],

@@ -14,7 +14,7 @@ architectures). What fork relies on in transformers 5, which that test would cat
 - a cache layer is a DynamicLayer with `keys`, `values`, `is_initialized` and `update`
   (PreallocatedLayer).
 
-Read in order: continue_from_cache, within_context, decode_forks, forkable, fresh_decode, fork,
+Read in order: continue_from_cache, within_context, forkable, fresh_decode, fork,
 copy_columns, PreallocatedLayer, generate, finish. Below the line: the stop string's cut, generate's
 settings, the GPU's gather, the batches and their reused buffers.
 """
@@ -35,8 +35,10 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
     Prefix j is row rows[j] of `cache`, a right-padded forward pass (its token t in column t):
     the old-log-prob pass, whose row e holds episodes[e] (VinePPO's states), or
     rollout.sample's encoding of the prompts. sampling is a rollout.Sampling.
-    - the prefixes go to `generate` in batches of least padding (fork_batches);
-    - each batch is forked from the cache and decoded to its largest budget (decode_forks);
+    - the prefixes go to `generate` in batches of least padding (fork_batches); one batch's
+      buffers are alive at a time (allocate: the next batch reuses them);
+    - each batch is forked from the cache (fork) and decoded to its largest budget, or encoded
+      afresh where fork cannot read the cache (forkable, fresh_decode);
     - each row is cut to its own budget at an end id or the stop string (finish), and is
       finished only when it stopped by itself."""
     if not prefixes:
@@ -48,11 +50,16 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
     model.eval()  # no dropout while sampling; restored on return, or on an error
     try:
         for chunk in chunks:  # a list of prefix indices
-            budget = max(budgets[j] for j in chunk)
+            budget, batch = max(budgets[j] for j in chunk), [prefixes[j] for j in chunk]
             new = [[]] * (len(chunk) * k)  # [len(chunk) * k] rows of new ids, k per prefix
-            if budget > 0:
-                new = decode_forks(model, cache, [prefixes[j] for j in chunk],
-                                   [rows[j] for j in chunk], k, budget, sampling, allocate)
+            if budget > 0 and forkable(cache):  # k forks of each prefix, decoded by `generate`
+                ids, mask, forked = fork(cache, batch, [rows[j] for j in chunk], k, budget,
+                                         sampling.pad_id, allocate=allocate)
+                out = generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
+                               max_new_tokens=budget)
+                new = out[:, ids.shape[1]:].tolist()
+            elif budget > 0:  # each prefix encoded afresh: right for any cache, slower
+                new = fresh_decode(model, batch, k, budget, sampling)
             for i, j in enumerate(chunk):
                 results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer,
                                   sampling.stop, prefixes[j]) for seq in new[i * k:(i + 1) * k]]
@@ -66,20 +73,6 @@ def within_context(model, prefixes, budgets: list[int]) -> list[int]:
     """Each budget cut to what the model's context leaves after its prefix."""
     context = model.config.max_position_embeddings
     return [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
-
-
-def decode_forks(model, cache, prefixes, rows, k: int, budget: int, sampling, allocate=None):
-    """New ids [n*k][budget] of k forks of each prefix by HF `generate`.
-
-    Prefix j is row rows[j] of `cache`; sampling is a rollout.Sampling. One batch's buffers are
-    alive at a time (allocate: the next batch reuses them)."""
-    if not forkable(cache):  # each prefix encoded afresh: right for any cache, slower
-        return fresh_decode(model, prefixes, k, budget, sampling)
-    ids, mask, forked = fork(cache, prefixes, rows, k, budget, sampling.pad_id,
-                             allocate=allocate)
-    out = generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
-                   max_new_tokens=budget)
-    return out[:, ids.shape[1]:].tolist()
 
 
 def forkable(cache) -> bool:

@@ -17,6 +17,7 @@ import torch
 
 import rollout
 import vine
+import vine_cheaper
 from engineering import parallel
 
 ALGOS = ("vineppo", "ppo", "tppo", "grpo")  # the advantages assign_advantages knows
@@ -118,13 +119,15 @@ def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: fl
     return loss, stats
 
 
-def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic: float) -> dict:
+def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic: float,
+                      reuse: bool = False) -> dict:
     """Set ep.advantages ([T]) as `algo` computes them and, for a critic, ep.returns;
-    returns diagnostics."""
+    returns diagnostics. reuse: the MC values were estimated with --mc-reuse."""
     rewards = torch.tensor([ep.reward for ep in episodes])
     if algo == "vineppo":  # step advantages broadcast to the step's tokens (VinePPO §4)
-        for ep in episodes:
-            ep.advantages = vine.episode_advantages(ep)
+        for ep in episodes:  # --mc-reuse: the response is one more sample of V(s_{i+1})
+            ep.advantages = (vine_cheaper.reuse_advantages(ep) if reuse
+                             else vine.episode_advantages(ep))
         return {}
     if algo == "grpo":  # one group-normalised outcome advantage per response, on all its tokens
         adv = group_advantages(rewards, torch.tensor([ep.group for ep in episodes]))

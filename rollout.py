@@ -74,7 +74,7 @@ class Episode:
     step_starts    list [n]      vine.split_steps (3)                    mc_values, advantages
     old_logp       tensor [T]    old_logprobs (4)                        ppo.ppo_update (ratio)
     step_values    list [n]      vine.mc_values (5); None past the cap   episode_advantages
-    step_counts    list [n]      vine.mc_values (5, reuse): samples      episode_advantages
+    step_counts    list [n]      vine_cheaper.mc_values (5, reuse)       reuse_advantages
     critic_values  tensor [T]    value.critic_values (5, PPO/TPPO)       ppo.gae, critic loss
     advantages     tensor [T]    ppo.assign_advantages (6)               ppo.ppo_update
     returns        tensor [T]    ppo.assign_advantages (6, PPO/TPPO)     the critic's loss

@@ -413,7 +413,7 @@ def test_math_steps_in_token_space():
     multi_step = 0
     for text in texts:
         ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
-        pieces = vine.decoded_pieces(tok, ids)
+        pieces = vine.token_texts(tok, ids)
         firsts = [sum(map(len, pieces[:t])) for t in range(len(ids))]
         bounds = math_grader.math_step_offsets("".join(pieces))
         expected = sorted({0} | {next(t for t, c in enumerate(firsts) if c >= b)

@@ -112,7 +112,7 @@ def test_gold_answers_with_thousands_separators_score_one():
 
 # ---- 2. step boundaries from the decoded response ------------------------------------------
 
-def test_decoded_pieces_spell_the_decoded_response(llama_tok):
+def test_token_texts_spell_the_decoded_response(llama_tok):
     tok = llama_tok
     byte_tokens = 0
     for p in FIXTURE:
@@ -120,13 +120,13 @@ def test_decoded_pieces_spell_the_decoded_response(llama_tok):
             ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
             byte_tokens += sum(t.startswith("<0x") and t != "<0x0A>"
                                for t in tok.convert_ids_to_tokens(ids))
-            assert "".join(vine.decoded_pieces(tok, ids)) == \
+            assert "".join(vine.token_texts(tok, ids)) == \
                 tok.decode(ids, skip_special_tokens=True)
     assert byte_tokens > 50  # multi-byte characters (€, ½, ’) split over byte tokens were covered
     # '½' = bytes C2 BD: the first byte adds nothing, the second the character
     ids = tok("a½", add_special_tokens=False).input_ids
     assert tok.convert_ids_to_tokens(ids)[-2:] == ["<0xC2>", "<0xBD>"]
-    assert vine.decoded_pieces(tok, ids)[-2:] == ["", "½"]
+    assert vine.token_texts(tok, ids)[-2:] == ["", "½"]
 
 
 def test_space_before_newline_old_boundary_one_token_early(llama_tok):
@@ -235,7 +235,7 @@ def test_cut_at_stop_hand_cases(llama_tok, char_tok, byte_tok):
         assert cut_at_stop(kept + [eos]) == kept + [eos]  # no stop string: unchanged
         assert cut_at_stop(kept) == kept
         assert cut_at_stop(enc("\n\n\nProblem")) == enc("\n\n\nProblem")
-        # a row that stopped, filled with EOS (generation.decode_forks)
+        # a row that stopped, filled with EOS (generation.continue_from_cache)
         # -> the kept tokens and EOS, finished
         row = enc("\nA = 3.\n#### 3\n\n\nProblem:") + [eos] * 3
         assert generation.finish(row, 100, eos, tok, STOP) == (kept + [eos], True)

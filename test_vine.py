@@ -25,6 +25,7 @@ import rollout
 import train
 import value
 import vine
+import vine_cheaper
 from engineering import checkpoint, models, parallel
 from engineering.sft import sft_target
 from reward import extract_answer, gsm8k_reward
@@ -114,9 +115,9 @@ def test_step_advantages_hand_computed():
     assert vine.step_advantages([0.5, 0.7, None, None], 1.0) == pytest.approx([0.2, 0.3, 0.0, 0.0])
     assert vine.step_advantages([0.5], 0.0) == pytest.approx([-0.5])
     # reuse: the response joins V(s_{i+1}) of A_i, (n V + R) / (n + 1), never the baseline V(s_i)
-    assert (vine.reuse_step_advantages([0.5, 0.25, 1.0], 1.0, [2, 3, 4])
+    assert (vine_cheaper.reuse_step_advantages([0.5, 0.25, 1.0], 1.0, [2, 3, 4])
             == pytest.approx([0.4375 - 0.5, 0.75, 0.0]))
-    assert (vine.reuse_step_advantages([0.5, 0.25, None], 0.0, [2, 3, None])
+    assert (vine_cheaper.reuse_step_advantages([0.5, 0.25, None], 0.0, [2, 3, None])
             == pytest.approx([0.1875 - 0.5, -0.25, 0.0]))
     assert vine.token_advantages([0, 2, 3], [1.0, 2.0, 3.0], 5) == [1.0, 1.0, 2.0, 3.0, 3.0]
 
@@ -234,7 +235,7 @@ def reference_rollout_count(rewards: list[int], k: int, increment: int, max_k: i
 
 def adaptive_count(rewards: list[int], k: int, increment: int, max_k: int, ci_width: float) -> int:
     n = k
-    while more := vine.more_rollouts(rewards[:n], increment, max_k, ci_width):
+    while more := vine_cheaper.more_rollouts(rewards[:n], increment, max_k, ci_width):
         n += more
     return n
 
@@ -273,11 +274,12 @@ def fake_mc_sampling(monkeypatch):
 def test_mc_max_rollouts_is_a_cap(monkeypatch):
     """--mc-rollouts 2 --mc-max-rollouts 3 --mc-increment 50: at most 3 continuations a state (52
     before)."""
-    assert (vine.more_rollouts([0, 1], 50, 3, 0.05) == 1
-            and vine.more_rollouts([1, 1], 50, 3, 0.05) == 0)
+    assert (vine_cheaper.more_rollouts([0, 1], 50, 3, 0.05) == 1
+            and vine_cheaper.more_rollouts([1, 1], 50, 3, 0.05) == 0)
     calls, sampling, eps = fake_mc_sampling(monkeypatch)
-    counts = vine.mc_values(None, eps, None, sampling,
-                            vine.MCSettings(2, max_k=3, increment=50, ci_width=0.05))
+    counts = vine_cheaper.mc_values(None, eps, None, sampling, vine.MCSettings(2),
+                                    vine_cheaper.CheaperSettings(max_k=3, increment=50,
+                                                                 ci_width=0.05))
     # [1] and [1, 4] are mixed after 2: one more each, 3 in all; [1, 3] agrees and stops at 2
     assert (calls == [(3, 2), (2, 1)] and counts["mc_continuations"] == 3 + 2 + 3
             and counts["mc_states"] == 3)
@@ -285,13 +287,13 @@ def test_mc_max_rollouts_is_a_cap(monkeypatch):
 
 def test_more_rollouts_hand_computed():
     # the reference's 10, +4, 30, 0.05: ten that agree stop; any disagreement can only stop at 30
-    assert (vine.more_rollouts([1] * 10, 4, 30, 0.05) == 0
-            and vine.more_rollouts([0] * 10, 4, 30, 0.05) == 0)
-    assert vine.more_rollouts([1] * 9 + [0], 4, 30, 0.05) == 20
-    assert vine.more_rollouts([1] * 29 + [0], 4, 30, 0.05) == 0  # at the cap
+    assert (vine_cheaper.more_rollouts([1] * 10, 4, 30, 0.05) == 0
+            and vine_cheaper.more_rollouts([0] * 10, 4, 30, 0.05) == 0)
+    assert vine_cheaper.more_rollouts([1] * 9 + [0], 4, 30, 0.05) == 20
+    assert vine_cheaper.more_rollouts([1] * 29 + [0], 4, 30, 0.05) == 0  # at the cap
     # width 0.5: at n = 14 the least width over 5..9
     # successes is 0.502, at 18 (5 of 18) 0.414: jump 8
-    assert vine.more_rollouts([1] * 5 + [0] * 5, 4, 30, 0.5) == 8
+    assert vine_cheaper.more_rollouts([1] * 5 + [0] * 5, 4, 30, 0.5) == 8
 
 
 def adaptive_law(p: float, k=10, increment=4, max_k=30, ci_width=0.05) -> tuple[float, float]:
@@ -302,7 +304,7 @@ def adaptive_law(p: float, k=10, increment=4, max_k=30, ci_width=0.05) -> tuple[
     mean = count = 0.0
     while law:
         (n, s), prob = law.popitem()
-        more = vine.more_rollouts([1] * s + [0] * (n - s), increment, max_k, ci_width)
+        more = vine_cheaper.more_rollouts([1] * s + [0] * (n - s), increment, max_k, ci_width)
         if more == 0:
             mean, count = mean + prob * s / n, count + prob * n
         for j in range(more + 1 if more else 0):
@@ -341,9 +343,9 @@ def true_value(state) -> float:
 
 def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
     """E[A_i | s_i, a_i] of the first episode by exact enumeration of every response of the group
-    and every MC continuation of every state, through vine.mc_values and vine.step_advantages; and
-    the same with the response put into its own baselines (what reuse must not do). -> {(i, step
-    tokens): (E, E put in baseline)}"""
+    and every MC continuation of every state, through mc_values and step_advantages (vine.py's, or
+    vine_cheaper.py's with options); and the same with the response put into its own baselines
+    (what reuse must not do). -> {(i, step tokens): (E, E put in baseline)}"""
     states = [(1,), (1, 3), (1, 4)]
     assignment = {}
     monkeypatch.setattr(generation, "continue_from_cache",
@@ -361,9 +363,15 @@ def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
             eps = [rollout.Episode([1], list(r), "", 0, True, reward=TREE_REWARD[r],
                                    step_starts=[0, 1])
                    for r, _ in responses]
-            vine.mc_values(None, eps, None, sampling, vine.MCSettings(k, **options))
+            cheaper = vine_cheaper.CheaperSettings(**options)
+            if cheaper.on():
+                vine_cheaper.mc_values(None, eps, None, sampling, vine.MCSettings(k), cheaper)
+            else:
+                vine.mc_values(None, eps, None, sampling, vine.MCSettings(k))
             ep = eps[0]
-            advantages = vine.episode_step_advantages(ep)
+            advantages = (vine_cheaper.reuse_step_advantages(ep.step_values, ep.reward,
+                                                             ep.step_counts) if cheaper.reuse
+                          else vine.step_advantages(ep.step_values, ep.reward))
             own = [(n * v + ep.reward) / (n + 1)
                    for v, n in zip(ep.step_values, ep.step_counts or [k] * 2)]
             # the response in the baseline of its own steps
@@ -392,8 +400,9 @@ def test_reused_responses_keep_the_advantage_unbiased(monkeypatch, k, group, opt
 
 def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
     calls, sampling, eps = fake_mc_sampling(monkeypatch)
-    counts = vine.mc_values(None, eps, None, sampling,
-                            vine.MCSettings(3, max_k=9, increment=2, ci_width=0.05))
+    counts = vine_cheaper.mc_values(None, eps, None, sampling, vine.MCSettings(3),
+                                    vine_cheaper.CheaperSettings(max_k=9, increment=2,
+                                                                 ci_width=0.05))
     # round 1: 3 states x 3; [1, 3] agrees and stops;
     # [1] and [1, 4] are mixed, straight to 9: one call
     assert (calls == [(3, 3), (2, 6)] and counts["mc_continuations"] == 3 + 9 + 9
@@ -401,14 +410,16 @@ def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
     assert (eps[0].step_values == [4 / 9, 1.0] and eps[1].step_values == [4 / 9, 4 / 9]
             and eps[0].step_counts == [])
     calls.clear()
-    counts = vine.mc_values(None, eps, None, sampling, vine.MCSettings(3, reuse=True, top_up=True))
+    counts = vine_cheaper.mc_values(None, eps, None, sampling, vine.MCSettings(3),
+                                    vine_cheaper.CheaperSettings(reuse=True, top_up=True))
     # the prompt has one other response through it: 2
     # continuations; [1, 3] and [1, 4]: none, so 3 each
     assert calls == [(8, 1)] and counts["mc_continuations"] == 8  # one call: a row per continuation
     # [1]: 4, 4 and ep 1's R
     assert eps[0].step_counts == [3, 3] and eps[0].step_values == [1 / 3, 1.0]
     with pytest.raises(ValueError):
-        vine.mc_values(None, eps, None, sampling, vine.MCSettings(3, top_up=True))
+        vine_cheaper.mc_values(None, eps, None, sampling, vine.MCSettings(3),
+                               vine_cheaper.CheaperSettings(top_up=True))
 
 
 # ---- rollouts and forking -----------------------------------------------------------------

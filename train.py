@@ -34,7 +34,6 @@ import collections
 import dataclasses
 import json
 import os
-import re
 
 import torch
 
@@ -44,20 +43,13 @@ import reward
 import rollout
 import value
 import vine
+import vine_cheaper
 from engineering import checkpoint, models, parallel, prompts, settings, start, tasks
-from engineering.settings import above, arg, at_least, between, one_of, ordered
+from engineering.settings import DEVICE, LR, STEPS, TRAPS, above, arg, at_least, between, one_of
 
 
-# ---- the settings: python train.py --help lists them (engineering/settings.py: a rule) -----
-# A rule: (a test, the words for what it expects); at_least(0) and the like are rules too.
-DEVICE = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "'auto', 'cpu', 'cuda' or 'cuda:N'")
-STEPS = (lambda v: ordered(v, 1), "MIN-MAX, 1 <= MIN <= MAX")
-TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
-# AdamW moves every weight by about lr a step (its update is lr times a ratio of moments near +-1):
-# above 1 a step outweighs any weight of a language model, and near float32's limit it overflows
-LR = (lambda v: 0 <= v <= 1, ">= 0 and at most 1 (AdamW moves each weight by about lr a step)")
-
-
+# ---- the settings: python train.py --help lists them; a rule (at_least(0), LR, ...) is a test
+# and the words for what it expects (engineering/settings.py)
 @dataclasses.dataclass
 class Config:
     """Defaults follow the reference's rho-1.1B GSM8K run; DEMO below overrides a few for
@@ -182,7 +174,7 @@ def main(cfg: Config):
     rank, world, device, autocast = start.start_process(cfg)  # torchrun: rank of world GPUs
     run = start.start_run(cfg, device, autocast)  # data, models, and where the run stands
     tok, policy, critic = run.tok, run.policy, run.critic
-    sampling, mc, hp = algorithm_settings(cfg, tok, policy.model, world)
+    sampling, mc, cheaper, hp = algorithm_settings(cfg, tok, policy.model, world)
     if run.iterations_done is None:  # a fresh run: evaluate the starting policy (iteration 0)
         scores = evaluate(policy.model, run.eval_set, cfg, sampling, autocast, 0)
         parallel.log(cfg.out, {"iteration": 0, **scores})
@@ -210,14 +202,15 @@ def main(cfg: Config):
                                              sampling.pad_id, keep_cache=cfg.algo == "vineppo")
                 watch.lap("time_logprobs")
                 if cfg.algo == "vineppo":
-                    mc_counts += vine.mc_values(policy.model, chunk, cache, sampling, mc)
+                    mc_counts += value_with_mc(policy.model, chunk, cache, sampling, mc, cheaper)
                     watch.lap("time_mc_values")
                 del cache  # before the next chunk's forward pass allocates its own
         if critic is not None:  # PPO, TPPO: the critic's V(s_t) before each token
             value_with_critic(cfg, critic, episodes, sampling, autocast)
             watch.lap("time_critic_values")
         # 6. advantages: VinePPO's from the MC values, GAE's from the critic's, or GRPO's
-        diagnostics = ppo.assign_advantages(cfg.algo, episodes, cfg.gamma, cfg.lam, cfg.lam_critic)
+        diagnostics = ppo.assign_advantages(cfg.algo, episodes, cfg.gamma, cfg.lam, cfg.lam_critic,
+                                            reuse=cfg.mc_reuse)
         watch.lap("time_advantages")
         # 7. reference log-probs, once per iteration
         with autocast:
@@ -229,9 +222,8 @@ def main(cfg: Config):
                                pad_id=sampling.pad_id, device=device, autocast=autocast)
         watch.lap("time_update")
         # 9. evaluate, log, checkpoint: every N iterations (N = 0: never) and at the last one
-        scores = {}
-        if scheduled(it, cfg.eval_every, cfg.iterations):
-            scores = evaluate(policy.model, run.eval_set, cfg, sampling, autocast, it)
+        scores = (evaluate(policy.model, run.eval_set, cfg, sampling, autocast, it)
+                  if scheduled(it, cfg.eval_every, cfg.iterations) else {})
         watch.lap("time_eval")
         row = parallel.iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, watch)
         parallel.log(cfg.out, {"iteration": it, **row, **scores})
@@ -241,22 +233,32 @@ def main(cfg: Config):
 
 
 def algorithm_settings(cfg: Config, tok, model, world: int):
-    """How to sample (rollout.Sampling), the MC values' K (vine.MCSettings) and the update's
-    hyper-parameters (ppo.PPOSettings), read from cfg."""
+    """How to sample (rollout.Sampling), the MC values' K (vine.MCSettings), the cheaper MC
+    settings (vine_cheaper.CheaperSettings) and the update's hyper-parameters (ppo.PPOSettings),
+    read from cfg."""
     stops = prompts.stop_ids(tok, model, cfg.chat)  # every id that ends a response, SFT's first
     sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
                                 max_new_tokens=cfg.max_new_tokens, eos_id=stops[0], eos_ids=stops,
                                 pad_id=rollout.pad_id(tok), stop=reward.STOP, tokenizer=tok,
                                 max_batch_tokens=cfg.max_batch_tokens)
-    mc = vine.MCSettings(k=cfg.mc_rollouts, max_states=cfg.max_value_states,
-                         max_k=cfg.mc_max_rollouts, increment=cfg.mc_increment,
-                         ci_width=cfg.mc_ci_width, reuse=cfg.mc_reuse, top_up=cfg.mc_top_up)
+    mc = vine.MCSettings(k=cfg.mc_rollouts, max_states=cfg.max_value_states)
+    cheaper = vine_cheaper.CheaperSettings(max_k=cfg.mc_max_rollouts, increment=cfg.mc_increment,
+                                           ci_width=cfg.mc_ci_width, reuse=cfg.mc_reuse,
+                                           top_up=cfg.mc_top_up)
     # GRPO's advantages are already normalised per group: whitening again would re-centre them
     hp = ppo.PPOSettings(epochs=cfg.epochs, minibatch=cfg.minibatch // world,
                          micro_batch=cfg.micro_batch, temperature=cfg.temperature, clip=cfg.clip,
                          kl_coef=cfg.kl_coef, value_clip=cfg.value_clip,
                          whiten=cfg.algo != "grpo")
-    return sampling, mc, hp
+    return sampling, mc, cheaper, hp
+
+
+def value_with_mc(model, chunk, cache, sampling, mc, cheaper) -> collections.Counter:
+    """Phase 5 of VinePPO: the MC values of the chunk's states, K continuations each
+    (vine.mc_values), or with a cheaper setting on by vine_cheaper.mc_values."""
+    if cheaper.on():
+        return vine_cheaper.mc_values(model, chunk, cache, sampling, mc, cheaper)
+    return vine.mc_values(model, chunk, cache, sampling, mc)
 
 
 def value_with_critic(cfg: Config, critic, episodes, sampling, autocast):

@@ -19,7 +19,7 @@ One MC value's path, as train.main runs it:
                                  each graded with its response prefix (reward.response_reward)
     ppo.assign_advantages      -> episode_advantages: step_advantages, token_advantages
 
-Read top to bottom; below the line: the cheaper settings (adaptive K, reuse, top-up).
+The cheaper settings (adaptive K, reuse, top-up), off by default: vine_cheaper.py.
 """
 from bisect import bisect_right
 from collections import Counter
@@ -40,7 +40,7 @@ def split_steps(episodes: list[rollout.Episode], tok):
     GSM8K's rule (the reference's tasks/gsm8k.py): a step is a line, opened by the '\\n' before
     it; the last line joins the answer. The response `7+2=9\\n9-5=4\\n#### 4`, one token a
     character, is cut into
-        pieces       '7+2=9' | '\\n9-5=4\\n#### 4'
+        steps        '7+2=9' | '\\n9-5=4\\n#### 4'
         step_starts  [0, 5]
     so s_0 is the prompt and s_1 the prompt + '7+2=9' (its continuations begin with '\\n').
     MATH's rule: sentences and lines (math_grader.math_step_offsets). Details: line_step_starts."""
@@ -53,13 +53,13 @@ def response_step_starts(tok, response_ids: list[int], math: bool = False,
                          boxed: bool = False) -> list[int]:
     """By GSM8K's rule (one line a step; boxed: --answer boxed's answer line), or by MATH's
     (math: sentences and lines, LaTeX kept whole)."""
-    pieces = decoded_pieces(tok, response_ids)
+    texts = token_texts(tok, response_ids)  # the text each token adds
     if math:
-        return token_steps(pieces, math_grader.math_step_offsets("".join(pieces))[1:-1])
-    return line_step_starts(pieces, boxed)
+        return token_steps(texts, math_grader.math_step_offsets("".join(texts))[1:-1])
+    return line_step_starts(texts, boxed)
 
 
-def line_step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
+def line_step_starts(texts: list[str], boxed: bool = False) -> list[int]:
     """Token index where each step starts, by the reference's rule (tasks/gsm8k.py).
 
     - a step opens at each line; leading empty lines join the first;
@@ -71,7 +71,7 @@ def line_step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
         'a\\n\\nb\\n#### 1'         a | \\n | \\nb\\n#### 1   an empty line between: a step
         'a\\nb\\n'                 a | \\nb | \\n           no answer: every line is a step
         'a\\n#### 1\\nb\\n#### 2'   a\\n#### 1\\nb\\n#### 2   the first '\\n####' is the answer"""
-    text = "".join(token_texts)
+    text = "".join(texts)
     answer_at = (text.rfind("\n", 0, max(0, text.find("\\boxed"))) if boxed
                  else text.find("\n####"))
     lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
@@ -82,54 +82,45 @@ def line_step_starts(token_texts: list[str], boxed: bool = False) -> list[int]:
     if nonempty:
         last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
         opens = newlines[nonempty[0]:last]  # the '\n's opening lines nonempty[0]+1 .. last
-    return token_steps(token_texts, opens)
+    return token_steps(texts, opens)
 
 
-def token_steps(token_texts: list[str], opens: list[int]) -> list[int]:
+def token_steps(texts: list[str], opens: list[int]) -> list[int]:
     """Token index where each step starts, given the character positions `opens` where steps
     1, 2, ... start (step 0 starts at token 0)."""
     # each token's first character
-    firsts = list(accumulate((len(piece) for piece in token_texts), initial=0))[:-1]
+    firsts = list(accumulate((len(t) for t in texts), initial=0))[:-1]
     steps = [bisect_right(opens, char) for char in firsts]  # steps opened at or before it
     return [0] + [t for t in range(1, len(steps)) if steps[t] != steps[t - 1]]
 
 
-def decoded_pieces(tok, ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded text: "".join(pieces) is the text.
+def token_texts(tok, ids: list[int]) -> list[str]:
+    """The text each token adds to the decoded text: "".join(texts) is the text.
 
-    Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9'; its piece
-    here is ' 9'), and a byte token can be part of a character: its piece is '' until the
+    Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9'; its text
+    here is ' 9'), and a byte token can be part of a character: its text is '' until the
     character is complete (incremental detokenizing, as vLLM's)."""
     decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
-    # tokens before `read` have their pieces; the window decoded begins one piece earlier, at
-    # `start`, so that a token's leading space survives; `shown` is the window's text up to
-    # `read`, and token t's piece is what the window's text up to t adds to it
-    pieces, start, read, shown = [], 0, 0, ""
+    # tokens before `read` have their texts; the window decoded begins where the last non-empty
+    # text began, at `start`, so that a token's leading space survives; `shown` is its text up to
+    # `read`, and token t's text is what the window's text up to t adds to it
+    texts, start, read, shown = [], 0, 0, ""
     for t in range(len(ids)):
         text = decode(ids[start: t + 1], skip_special_tokens=True)
         if len(text) > len(shown) and not text.endswith("\ufffd"):
-            pieces.append(text[len(shown):])
+            texts.append(text[len(shown):])
             start, read = read, t + 1
             shown = decode(ids[start:read], skip_special_tokens=True)
         else:
-            pieces.append("")
-    return pieces
+            texts.append("")
+    return texts
 
 
 @dataclass(frozen=True)
 class MCSettings:
-    """How many continuations the MC values take (train.py's --mc-* flags)."""
-    k: int                   # K, continuations per state (--mc-rollouts)
+    """How many continuations the MC values take (train.py's --mc-rollouts, --max-value-states)."""
+    k: int                   # K, continuations per state
     max_states: int = 0      # states valued per response, s_0.. (0: all); later ones take R
-    # the cheaper settings (mc_values_cheaper), all off: the paper's fixed K
-    max_k: int = 0           # adaptive K up to max_k (0: off)
-    increment: int = 4       # adaptive K: continuations added per round
-    ci_width: float = 0.05   # adaptive K: stop when the 95% interval of V_hat is this narrow
-    reuse: bool = False      # each response is one more sample of the states it passes
-    top_up: bool = False     # with reuse: a state gets only what brings it to K samples
-
-    def cheaper(self) -> bool:
-        return bool(self.max_k or self.reuse or self.top_up)
 
 
 def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.Sampling,
@@ -142,8 +133,6 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
     - a continuation is graded as the state's response prefix + the continuation;
     - past the first mc.max_states states: None (step_advantages puts R there).
     Returns the counts of states, continuations and continuation tokens."""
-    if mc.cheaper():
-        return mc_values_cheaper(model, episodes, cache, sampling, mc)
     states = distinct_states(episodes, mc.max_states)  # state tokens -> (episode e, step start b)
     keys = list(states)
     rewards, tokens = continuation_rewards(model, episodes, cache, states, keys, mc.k, sampling)
@@ -151,7 +140,6 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
     for ep in episodes:
         ep.step_values = [None if key is None else sum(by_state[key]) / len(by_state[key])
                           for key in state_keys(ep, mc.max_states)]
-        ep.step_counts = []
     return Counter(mc_states=len(states), mc_continuations=mc.k * len(states), mc_tokens=tokens)
 
 
@@ -179,7 +167,7 @@ def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: in
     A continuation is what the policy samples after the state, as if the state were encoded
     afresh; generation.continue_from_cache samples it from the old-log-prob pass's cache, in one
     batched call. A continuation that did not stop within its budget scores 0. keys may name a
-    state twice: sampling_rounds (below) asks for one continuation at a time that way."""
+    state twice: vine_cheaper.sampling_rounds asks for one continuation at a time that way."""
     holders = [states[key] for key in keys]  # (e, b): episodes[e], row e of the cache, holds it
     budgets = [sampling.max_new_tokens - b for _, b in holders]  # what the response's b leaves
     conts, finished = generation.continue_from_cache(model, [list(key) for key in keys], k,
@@ -206,125 +194,11 @@ def step_advantages(values: list[float | None], outcome: float) -> list[float]:
 
 def episode_advantages(ep: rollout.Episode) -> torch.Tensor:
     """[T]: each step's A_i on every token of the step (the KL term lives in the loss)."""
-    step_adv = episode_step_advantages(ep)
+    step_adv = step_advantages(ep.step_values, ep.reward)
     return torch.tensor(token_advantages(ep.step_starts, step_adv, len(ep.response_ids)))
-
-
-def episode_step_advantages(ep: rollout.Episode) -> list[float]:
-    """ep's A_i, one per step: step_advantages, or with reuse reuse_step_advantages."""
-    if ep.step_counts:  # filled by mc_values only with --mc-reuse
-        return reuse_step_advantages(ep.step_values, ep.reward, ep.step_counts)
-    return step_advantages(ep.step_values, ep.reward)
 
 
 def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) -> list[float]:
     """Step i's advantage on each of its tokens, starts[i] up to the next step's start."""
     ends = starts[1:] + [n_tokens]
     return [a for a, lo, hi in zip(step_adv, starts, ends) for _ in range(hi - lo)]
-
-
-# ---- the cheaper settings: adaptive K, reuse, top-up (off by default; skip on a first reading)
-
-def mc_values_cheaper(model, episodes, cache, sampling, mc: MCSettings) -> Counter:
-    """mc_values with the cheaper settings, which change how many continuations a state gets
-    and which rewards its mean takes.
-
-    - adaptive K (max_k > 0), the reference's ciAwre_10ir_4nr_ci0.05 config: K first, then
-      `increment` more while the 95% interval of the mean is wider than ci_width, up to max_k
-      (more_rollouts);
-    - reuse: each sampled response is one more continuation of every state it passes through;
-      it joins those states' values, except as the baseline of its own steps (ep.step_counts,
-      see reuse_step_advantages), so the advantage stays unbiased;
-    - top_up (with reuse): a state gets only the continuations that bring its baselines to K
-      samples, K minus the other responses through it (0 for the prompt of a group of K + 1)."""
-    if mc.top_up and (mc.max_k or not mc.reuse):
-        raise ValueError("top_up needs reuse, and counts the responses as continuations: "
-                         "not with max_k")
-    states = distinct_states(episodes, mc.max_states)
-    through = responses_through(states, episodes) if mc.reuse else {}
-    # K each; top-up: K minus the other responses through it (through[key] has its holder too)
-    wanted = {key: max(0, mc.k - len(through[key]) + 1) if mc.top_up else mc.k for key in states}
-    more = None  # how many more continuations a state gets after a round (adaptive K)
-    if mc.max_k:
-        more = lambda rewards: more_rollouts(rewards, mc.increment, mc.max_k, mc.ci_width)
-    rewards, tokens = sampling_rounds(model, episodes, cache, states, wanted, sampling, more)
-    for e, ep in enumerate(episodes):
-        samples = [value_samples(key, e, rewards, through, episodes)
-                   for key in state_keys(ep, mc.max_states)]
-        ep.step_values = [None if s is None else sum(s) / len(s) for s in samples]
-        ep.step_counts = [None if s is None else len(s) for s in samples] if mc.reuse else []
-    return Counter(mc_states=len(states), mc_continuations=sum(map(len, rewards.values())),
-                   mc_tokens=tokens)
-
-
-def reuse_step_advantages(values: list, outcome: float, counts: list) -> list[float]:
-    """step_advantages when the response is one more sample of V(s_{i+1}): with m = counts[i+1]
-    the samples behind V_hat(s_{i+1}),
-
-        A_i = r_i + (m V_hat(s_{i+1}) + R) / (m + 1) - V_hat(s_i),
-
-    so E[A_i | s_i, a_i] = Q(s_i, a_i) - V(s_i) still. Never in V(s_i), the baseline of the
-    step whose action it continues: that would shrink E[A_i] by m / (m + 1)."""
-    v = [outcome if x is None else x for x in values]
-    joined = [v[i] if values[i] is None else (counts[i] * v[i] + outcome) / (counts[i] + 1)
-              for i in range(1, len(v))]  # joined[i - 1] stands for V(s_i)
-    return [joined[i] - v[i] for i in range(len(v) - 1)] + [outcome - v[-1]]
-
-
-def value_samples(key, e: int, rewards: dict, through: dict, episodes) -> list[float] | None:
-    """The rewards behind episode e's V_hat of state `key`: its continuations', and with reuse
-    those of the other responses through it (never e's own, which continues this state's
-    action); None past the cap."""
-    if key is None:
-        return None
-    return rewards[key] + [episodes[o].reward for o in through.get(key, ()) if o != e]
-
-
-def more_rollouts(rewards: list[float], increment: int, max_k: int, ci_width: float) -> int:
-    """How many more continuations a state gets by the reference's rule (treetune's
-    ConfidenceIntervalAwareEfficientIIDExpander).
-
-    - `increment` at a time while n < max_k and the 95% interval of the mean p of n rewards
-      in [0, 1], 2 * 1.96 * sqrt(p (1 - p) / n), is wider than ci_width;
-    - the last round is cut to end at max_k (the reference's rounds step past it);
-    - rounds after which no outcome could stop are taken at once (same counts, fewer calls).
-    Sequential stopping biases the mean toward the ends: a state stops early only when its
-    first rewards agree (test_vine.py: test_adaptive_bias_and_cost_enumerated_exactly)."""
-    width = lambda total, n: 2 * 1.96 * (max(0.0, total / n * (1 - total / n)) / n) ** 0.5
-    n, total = len(rewards), sum(rewards)
-    if n >= max_k or width(total, n) <= ci_width:
-        return 0
-    m = n + increment
-    # p (1 - p) is concave in the new total, in [total, total + m - n]: least width at an end
-    while m < max_k and min(width(total, m), width(total + m - n, m)) > ci_width:
-        m += increment
-    return min(m, max_k) - n
-
-
-def responses_through(states: dict, episodes: list[rollout.Episode]) -> dict:
-    """State tokens -> the episodes of its prompt whose prompt + response begins with them: a
-    response through a state is a continuation of it sampled by the policy."""
-    seqs = [tuple(ep.prompt_ids + ep.response_ids) for ep in episodes]
-    groups = {}  # prompt -> its episodes: a state is matched against its own prompt's only
-    for o, ep in enumerate(episodes):
-        groups.setdefault(ep.group, []).append(o)
-    return {key: [o for o in groups[episodes[e].group] if seqs[o][:len(key)] == key]
-            for key, (e, _) in states.items()}
-
-
-def sampling_rounds(model, episodes, cache, states: dict, wanted: dict, sampling, more=None):
-    """({state: rewards of its continuations}, tokens): wanted[state] continuations of each,
-    then while more(rewards) > 0 that many more. Each round is one continuation_rewards call:
-    n rows per state when all want n, else a state once per continuation it wants."""
-    rewards, tokens = {key: [] for key in states}, 0
-    todo = {key: n for key, n in wanted.items() if n > 0}
-    while todo:
-        n = next(iter(todo.values())) if len(set(todo.values())) == 1 else 1
-        keys = [key for key, want in todo.items() for _ in range(want // n)]
-        got, new_tokens = continuation_rewards(model, episodes, cache, states, keys, n, sampling)
-        for key, state_rewards in zip(keys, got):
-            rewards[key] += state_rewards
-        tokens += new_tokens
-        todo = {key: more(rewards[key]) for key in todo} if more else {}
-        todo = {key: n for key, n in todo.items() if n > 0}
-    return rewards, tokens

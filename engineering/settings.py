@@ -54,6 +54,15 @@ def ordered(v: str, low: int) -> bool:
     return low <= least <= most
 
 
+# train.py's rules of a few settings: (a test, the words for what it expects)
+DEVICE = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "'auto', 'cpu', 'cuda' or 'cuda:N'")
+STEPS = (lambda v: ordered(v, 1), "MIN-MAX, 1 <= MIN <= MAX")
+TRAPS = (lambda v: v == "" or ordered(v, 0), "'' or MIN-MAX, 0 <= MIN <= MAX")
+# AdamW moves every weight by about lr a step (its update is lr times a ratio of moments near +-1):
+# above 1 a step outweighs any weight of a language model, and near float32's limit it overflows
+LR = (lambda v: 0 <= v <= 1, ">= 0 and at most 1 (AdamW moves each weight by about lr a step)")
+
+
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?|-inf(inity)?|-nan", re.IGNORECASE)
 
 
