@@ -1,5 +1,5 @@
 """Tests: every .py file of the repository within 100 columns and without unused names (ruff);
-the core's files and functions within their budgets."""
+the core's files and functions, and the README, within their budgets."""
 import ast
 import glob
 import os
@@ -36,3 +36,9 @@ def test_core_files_and_functions_within_their_budgets():
                 if node.end_lineno - node.lineno + 1 > 60:
                     over.append(f"{name}: {node.name} {node.end_lineno - node.lineno + 1} lines")
     assert not over, over
+
+
+def test_readme_within_its_budget():
+    """The README, the first page a student reads: at most 15,000 characters."""
+    text = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    assert len(text) <= 15_000, f"README.md: {len(text)} characters"
