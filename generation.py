@@ -16,7 +16,7 @@ architectures). What fork relies on in transformers 5, which that test would cat
 
 Read in order: continue_from_cache, within_context, forkable, fresh_decode, fork,
 copy_columns, PreallocatedLayer, generate, finish. Below the line: the stop string's cut, generate's
-settings, the GPU's gather, the batches and their reused buffers.
+settings, the GPU's gather. The batches and their reused buffers: batching.fork_batches.
 """
 import torch
 from transformers import DynamicCache, GenerationConfig
@@ -35,7 +35,7 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
     Prefix j is row rows[j] of `cache`, a right-padded forward pass (its token t in column t):
     the old-log-prob pass, whose row e holds episodes[e] (VinePPO's states), or
     rollout.sample's encoding of the prompts. sampling is a rollout.Sampling.
-    - the prefixes go to `generate` in batches of least padding (fork_batches); one batch's
+    - the prefixes go to `generate` in batches of least padding (batching.fork_batches); one batch's
       buffers are alive at a time (allocate: the next batch reuses them);
     - each batch is forked from the cache (fork) and decoded to its largest budget, or encoded
       afresh where fork cannot read the cache (forkable, fresh_decode);
@@ -45,20 +45,22 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
         return [], []
     budgets = within_context(model, prefixes, budgets)
     conts, finished = [None] * len(prefixes), [None] * len(prefixes)
-    chunks, allocate = fork_batches(model, prefixes, budgets, k, sampling.max_batch_tokens)
+    chunks, allocate = batching.fork_batches(model, prefixes, budgets, k, sampling.max_batch_tokens)
     was_training = model.training
     model.eval()  # no dropout while sampling; restored on return, or on an error
     try:
         for chunk in chunks:  # a list of prefix indices
             budget, batch = max(budgets[j] for j in chunk), [prefixes[j] for j in chunk]
-            new = [[]] * (len(chunk) * k)  # [len(chunk) * k] rows of new ids, k per prefix
-            if budget > 0 and forkable(cache):  # k forks of each prefix, decoded by `generate`
+            # new: [len(chunk) * k] rows of new ids, k per prefix
+            if budget == 0:  # the response's budget or the context is used up: no tokens
+                new = [[] for _ in range(len(chunk) * k)]
+            elif forkable(cache):  # k forks of each prefix, decoded by `generate`
                 ids, mask, forked = fork(cache, batch, [rows[j] for j in chunk], k, budget,
                                          sampling.pad_id, allocate=allocate)
                 out = generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
                                max_new_tokens=budget)
                 new = out[:, ids.shape[1]:].tolist()
-            elif budget > 0:  # each prefix encoded afresh: right for any cache, slower
+            else:  # each prefix encoded afresh: right for any cache, slower
                 new = fresh_decode(model, batch, k, budget, sampling)
             for i, j in enumerate(chunk):
                 results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer,
@@ -266,37 +268,3 @@ def gather_columns(x, sources: list[int], ends: list[int], width: int, capacity:
     # the three broadcast to [n*k, H, capacity]: buffer[i, h, c] = x[row i, h, c - start i]
     buffer = x[rows, heads, cols.clamp(0, x.shape[2] - 1)[:, None, :]].to(dtype)
     return buffer.masked_fill_((cols < 0)[:, None, :, None], 0)
-
-
-def fork_batches(model, prefixes, budgets: list[int], k: int, max_tokens: int):
-    """(batches of prefix indices, the allocator of their fork buffers) for continue_from_cache:
-    least padding within max_tokens (batching.least_padding), one set of buffers reused."""
-    chunks = batching.least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
-                                    max_tokens, batching.batch_overhead(model))
-    return chunks, reused_buffers(largest_fork(chunks, prefixes, budgets, k))
-
-
-def largest_fork(chunks, prefixes, budgets, k: int) -> int:
-    """The cached positions of the largest fork among the chunks:
-    rows x (longest prefix - 1 + largest budget), fork's capacity."""
-    return max(len(chunk) * k * (max(len(prefixes[j]) for j in chunk) - 1
-                                 + max(budgets[j] for j in chunk)) for chunk in chunks)
-
-
-def reused_buffers(positions: int):
-    """fork's allocator for the batches of one continue_from_cache call.
-
-    Buffer `slot` (a layer's keys or values) of each batch is a view of one flat tensor,
-    made at the first fork for `positions` cached positions, the largest batch's. A CPU pays
-    for a fresh page the first time it is touched, and buffers this large go back to the OS
-    when freed, so each new batch would pay again (docs/speed-and-memory.md). Peak memory is
-    unchanged: the largest batch's."""
-    flat = {}
-
-    def allocate(slot, shape, dtype, device):  # shape [rows, H, columns, D]
-        size = shape[0] * shape[1] * shape[2] * shape[3]
-        if slot not in flat or flat[slot].numel() < size or flat[slot].dtype != dtype:
-            flat[slot] = torch.empty(max(size, positions * shape[1] * shape[3]), dtype=dtype,
-                                     device=device)
-        return flat[slot][:size].view(shape)
-    return allocate

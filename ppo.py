@@ -215,6 +215,11 @@ def minibatch_step(batch, policy, critic, hp: PPOSettings, pad_id: int, device, 
                    log) -> None:
     """One minibatch: its micro-batches' backward passes, then a step of each learner.
 
+    Each loss is a mean over the whole minibatch, all processes' rows (minibatch_counts), so
+    neither --micro-batch nor the number of processes changes it:
+    - a micro-batch's loss is its share, its sum over the minibatch's count (ppo_loss's n_tokens);
+    - gradients add up over the micro-batches; DDP then averages the W processes' gradients, so
+      each backward is of W x the share (parallel.backward_share): the shares' sum.
     policy None: the policy does not move (--critic-warmup)."""
     ids, mask, fields = collate(batch, pad_id, device)
     if hp.whiten:  # with the statistics of the whole minibatch, all processes' shares together
@@ -234,7 +239,6 @@ def minibatch_step(batch, policy, critic, hp: PPOSettings, pad_id: int, device, 
                                    hp.kl_coef, n_tokens=counts["tokens"],
                                    n_responses=counts["responses"])
             log.skipped_batches += stats["skipped"]
-            # backward of loss x world size: DDP averages the processes' gradients
             parallel.backward_share(loss, stats, policy_shares)
         if critic is not None:
             with autocast:

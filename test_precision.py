@@ -315,12 +315,12 @@ def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
     monkeypatch.setattr(batching, "batch_overhead", lambda _: 10 ** 6)  # the fewest batches: three
 
     def draw(reused_buffers):
-        monkeypatch.setattr(generation, "reused_buffers", reused_buffers)
+        monkeypatch.setattr(batching, "reused_buffers", reused_buffers)
         torch.manual_seed(0)
         return generation.continue_from_cache(model, prefixes, 3, [6, 6, 6, 2, 6], sampling,
                                               cache=cache, rows=rows)
 
-    made, storage, reuse = [], set(), generation.reused_buffers
+    made, storage, reuse = [], set(), batching.reused_buffers
 
     def poisoned(positions):
         assert positions == 6 * (22 - 1 + 6)  # the largest batch: 6 rows x (prefix - 1 + budget)

@@ -53,7 +53,8 @@ def response_step_starts(tok, response_ids: list[int], math: bool = False,
                          boxed: bool = False) -> list[int]:
     """By GSM8K's rule (one line a step; boxed: --answer boxed's answer line), or by MATH's
     (math: sentences and lines, LaTeX kept whole)."""
-    texts = token_texts(tok, response_ids)  # the text each token adds
+    # the text each token adds, "".join(texts) the response's (token_texts: below the line)
+    texts = token_texts(tok, response_ids)
     if math:
         return token_steps(texts, math_grader.math_step_offsets("".join(texts))[1:-1])
     return line_step_starts(texts, boxed)
@@ -76,12 +77,13 @@ def line_step_starts(texts: list[str], boxed: bool = False) -> list[int]:
                  else text.find("\n####"))
     lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
     nonempty = [i for i, line in enumerate(lines) if line.strip()]
-    # newlines[i]: the '\n' that ends line i and opens line i+1
-    newlines = [c for c, char in enumerate(text) if char == "\n"]
-    opens = []  # character positions of the '\n' that opens a step
+    newlines = [c for c, char in enumerate(text) if char == "\n"]  # [i - 1]: the one before line i
+    opens = []  # character positions of the '\n's that open steps
     if nonempty:
+        # the last line that opens a step: the last non-empty one before the answer, else the last
         last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
-        opens = newlines[nonempty[0]:last]  # the '\n's opening lines nonempty[0]+1 .. last
+        # each line after the first non-empty one, up to `last`, opens a step at its '\n'
+        opens = [newlines[i - 1] for i in range(nonempty[0] + 1, last + 1)]
     return token_steps(texts, opens)
 
 
@@ -92,28 +94,6 @@ def token_steps(texts: list[str], opens: list[int]) -> list[int]:
     firsts = list(accumulate((len(t) for t in texts), initial=0))[:-1]
     steps = [bisect_right(opens, char) for char in firsts]  # steps opened at or before it
     return [0] + [t for t in range(1, len(steps)) if steps[t] != steps[t - 1]]
-
-
-def token_texts(tok, ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded text: "".join(texts) is the text.
-
-    Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9'; its text
-    here is ' 9'), and a byte token can be part of a character: its text is '' until the
-    character is complete (incremental detokenizing, as vLLM's)."""
-    decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
-    # tokens before `read` have their texts; the window decoded begins where the last non-empty
-    # text began, at `start`, so that a token's leading space survives; `shown` is its text up to
-    # `read`, and token t's text is what the window's text up to t adds to it
-    texts, start, read, shown = [], 0, 0, ""
-    for t in range(len(ids)):
-        text = decode(ids[start: t + 1], skip_special_tokens=True)
-        if len(text) > len(shown) and not text.endswith("\ufffd"):
-            texts.append(text[len(shown):])
-            start, read = read, t + 1
-            shown = decode(ids[start:read], skip_special_tokens=True)
-        else:
-            texts.append("")
-    return texts
 
 
 @dataclass(frozen=True)
@@ -202,3 +182,27 @@ def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) ->
     """Step i's advantage on each of its tokens, starts[i] up to the next step's start."""
     ends = starts[1:] + [n_tokens]
     return [a for a, lo, hi in zip(step_adv, starts, ends) for _ in range(hi - lo)]
+
+
+# ---- engineering: the text of each token (skip on a first reading) -------------------------------
+
+def token_texts(tok, ids: list[int]) -> list[str]:
+    """The text each token adds to the decoded text: "".join(texts) is the text.
+
+    Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9'; its text
+    here is ' 9'), and a byte token can be part of a character: its text is '' until the
+    character is complete (incremental detokenizing, as vLLM's)."""
+    decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
+    # tokens before `read` have their texts; the window decoded begins where the last non-empty
+    # text began, at `start`, so that a token's leading space survives; `shown` is its text up to
+    # `read`, and token t's text is what the window's text up to t adds to it
+    texts, start, read, shown = [], 0, 0, ""
+    for t in range(len(ids)):
+        text = decode(ids[start: t + 1], skip_special_tokens=True)
+        if len(text) > len(shown) and not text.endswith("\ufffd"):
+            texts.append(text[len(shown):])
+            start, read = read, t + 1
+            shown = decode(ids[start:read], skip_special_tokens=True)
+        else:
+            texts.append("")
+    return texts

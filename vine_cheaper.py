@@ -51,7 +51,8 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
                          "not with max_k")
     states = vine.distinct_states(episodes, mc.max_states)
     through = responses_through(states, episodes) if cheaper.reuse else {}
-    # K each; top-up: K minus the other responses through it (through[key] has its holder too)
+    # K each; top-up: what brings the state's baselines to K samples. A baseline holds the
+    # responses through the state but its own (value_samples): len(through[key]) - 1 of them
     wanted = {key: max(0, mc.k - len(through[key]) + 1) if cheaper.top_up else mc.k
               for key in states}
     more = None  # how many more continuations a state gets after a round (adaptive K)
