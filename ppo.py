@@ -80,7 +80,9 @@ def explained_variance(values, returns, mask) -> float:
 
 def k3_kl(logp, ref_logp):
     """Schulman's k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1 (>= 0),
-    d = ref - logp."""
+    d = ref - logp. Its value estimates KL(pi || pi_ref); as a loss on sampled tokens, its
+    expected gradient is that of KL(pi_ref || pi): sum_x (pi - pi_ref) grad log pi. So does the
+    reference's, and GRPO's (DeepSeekMath, eq. 4)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
