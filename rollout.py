@@ -13,7 +13,7 @@ which column holds what (prompt <s> q1 q2, P = 3; response a b </s>, T = 3):
     logp          q1    q2    a     b     </s>         [B, L-1]: column c predicts token c+1
     action_mask   0     0     1     1     1            ppo.collate: the response's tokens
     critic                    V_0   V_1   V_2   V_3    value.py: the state ending at token c,
-                                                       [B, L] (the scalar head: [B, L-1])
+                                                       [B, L]
 
 Response token j sits at column P-1+j in every [B, L-1] tensor (its log-prob, advantage, ...),
 as does V_j, the value of the state before it (rollout.response_columns).

@@ -107,6 +107,9 @@ def test_critic_head_runs_in_fp32_under_autocast(model, head):
     expected = F.linear(hidden.float(), critic.head.weight, critic.head.bias).squeeze(-1)
     if head == "tracking":
         expected = value.tracking_logits(expected, prompt_lens)
+    if head == "scalar":  # [B, L] like the other heads: V = 0 after the last token (terminal)
+        expected = F.pad(expected, (0, 1))
+    assert out.shape == ids.shape
     assert out.dtype == values.dtype == torch.float32 and torch.equal(out, expected)
     # what train.py's GAE does with them: fp32 rewards into a zeros_like(values)
     # (bf16 values raised)

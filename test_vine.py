@@ -789,7 +789,8 @@ def test_tracking_head_zero_init_and_bce_learns(backbone):
 
 def test_scalar_value_clipping_hand_example(backbone):
     critic = value.Critic(copy.deepcopy(backbone), "scalar")
-    out, old = torch.tensor([[0.9, 0.1]]), torch.tensor([[0.5, 0.2]])
+    # out is forward's [B, L]: its last column, the terminal state's, is no action's
+    out, old = torch.tensor([[0.9, 0.1, 5.0]]), torch.tensor([[0.5, 0.2]])
     returns, mask = torch.tensor([[1.0, 0.0]]), torch.ones(1, 2)
     loss, st = critic.loss(out, old, returns, None, mask, clip=0.2)
     # token 0: clipped to 0.7 -> max(0.01, 0.09) = 0.09; token 1: within the clip -> 0.01

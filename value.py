@@ -37,15 +37,16 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, ids, mask, prompt_lens: torch.Tensor):
-        """fp32 values [B, L-1] ("scalar", GAE's states) or value logits z [B, L]
-        (BCE heads: s_T too)."""
+        """[B, L] in fp32, column c for the state ending at token c: values V ("scalar") or
+        value logits z (BCE heads)."""
         hidden = self.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
-        if self.head_type == "scalar":
-            # the state after the last token is terminal: GAE takes V = 0 there
+        if self.head_type == "scalar":  # the state after the last token is terminal: V = 0 there
             hidden = hidden[:, :-1]
         # autocast would recast the head to bf16
         with torch.autocast(hidden.device.type, enabled=False):
             out = self.head(hidden.float()).squeeze(-1)
+        if self.head_type == "scalar":
+            return F.pad(out, (0, 1))  # [B, L]: V = 0 in the last column
         return tracking_logits(out, prompt_lens) if self.head_type == "tracking" else out
 
     def values(self, ids, mask, prompt_lens):
@@ -59,14 +60,15 @@ class Critic(nn.Module):
         return action_mask if self.head_type == "scalar" else response_states(action_mask)
 
     def loss(self, out, old_values, returns, rewards, mask, clip: float = 0.2, n=None):
-        """(loss, stats): returns [B, L-1] are the scalar head's targets, rewards [B] the BCE heads'
-        (the outcome R: --lam-critic shapes only the scalar head's returns).
+        """(loss, stats) of forward's out [B, L]: returns [B, L-1] are the scalar head's targets,
+        rewards [B] the BCE heads' (the outcome R: --lam-critic shapes only the scalar head's).
         A mean over the n entries of the minibatch's loss_mask (all micro-batches and processes;
         default: these rows'): these rows' share."""
         terms = self.loss_mask(mask)
         n = terms.sum().clamp(min=1) if n is None else n
         total = lambda x: (x * terms).sum() / n
         if self.head_type == "scalar":
+            out = out[:, :-1]  # the actions' states, [B, L-1]
             # 0.5 * mean max((V - R)^2, (clip(V, V_old +- eps) - R)^2)
             clipped = old_values + (out - old_values).clamp(-clip, clip)
             loss = 0.5 * total(torch.max((out - returns) ** 2, (clipped - returns) ** 2))
