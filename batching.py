@@ -78,16 +78,16 @@ def group_chunks(episodes, max_tokens: int, overhead: int | None = None):
 def fork_batches(model, prefixes, budgets: list[int], k: int, max_tokens: int):
     """(batches of prefix indices, the allocator of their fork buffers) for continue_from_cache:
     least padding within max_tokens (least_padding), one set of buffers reused."""
-    chunks = least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes), max_tokens,
-                           batch_overhead(model))
-    return chunks, reused_buffers(largest_fork(chunks, prefixes, budgets, k))
+    parts = least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes), max_tokens,
+                          batch_overhead(model))
+    return parts, reused_buffers(largest_fork(parts, prefixes, budgets, k))
 
 
-def largest_fork(chunks, prefixes, budgets, k: int) -> int:
-    """The cached positions of the largest fork among the chunks:
+def largest_fork(parts, prefixes, budgets, k: int) -> int:
+    """The cached positions of the largest fork among the parts:
     rows x (longest prefix - 1 + largest budget), fork's capacity."""
-    return max(len(chunk) * k * (max(len(prefixes[j]) for j in chunk) - 1
-                                 + max(budgets[j] for j in chunk)) for chunk in chunks)
+    return max(len(part) * k * (max(len(prefixes[j]) for j in part) - 1
+                                + max(budgets[j] for j in part)) for part in parts)
 
 
 def reused_buffers(positions: int):

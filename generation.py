@@ -45,24 +45,24 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
         return [], []
     budgets = within_context(model, prefixes, budgets)
     conts, finished = [None] * len(prefixes), [None] * len(prefixes)
-    chunks, allocate = batching.fork_batches(model, prefixes, budgets, k, sampling.max_batch_tokens)
+    parts, allocate = batching.fork_batches(model, prefixes, budgets, k, sampling.max_batch_tokens)
     was_training = model.training
     model.eval()  # no dropout while sampling; restored on return, or on an error
     try:
-        for chunk in chunks:  # a list of prefix indices
-            budget, batch = max(budgets[j] for j in chunk), [prefixes[j] for j in chunk]
-            # new: [len(chunk) * k] rows of new ids, k per prefix
+        for part in parts:  # a list of prefix indices, one `generate` batch
+            budget, batch = max(budgets[j] for j in part), [prefixes[j] for j in part]
+            # new: [len(part) * k] rows of new ids, k per prefix
             if budget == 0:  # the response's budget or the context is used up: no tokens
-                new = [[] for _ in range(len(chunk) * k)]
+                new = [[] for _ in range(len(part) * k)]
             elif forkable(cache):  # k forks of each prefix, decoded by `generate`
-                ids, mask, forked = fork(cache, batch, [rows[j] for j in chunk], k, budget,
+                ids, mask, forked = fork(cache, batch, [rows[j] for j in part], k, budget,
                                          sampling.pad_id, allocate=allocate)
                 out = generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
                                max_new_tokens=budget)
                 new = out[:, ids.shape[1]:].tolist()
             else:  # each prefix encoded afresh: right for any cache, slower
                 new = fresh_decode(model, batch, k, budget, sampling)
-            for i, j in enumerate(chunk):
+            for i, j in enumerate(part):
                 results = [finish(seq, budgets[j], sampling.stops, sampling.tokenizer,
                                   sampling.stop, prefixes[j]) for seq in new[i * k:(i + 1) * k]]
                 conts[j], finished[j] = [c for c, _ in results], [f for _, f in results]
@@ -220,7 +220,9 @@ def cut_before_stop(seq: list[int], ends: tuple, tokenizer, stop: str, before) -
       `before` (as generate sees it): an MC continuation stops, and is cut, where its response
       would have;
     - HF stops at the token completing `stop` (the row's last), so `stop` lies in the last
-      len(stop) tokens of prefix + row (each adds >= 1 character)."""
+      len(stop) tokens of prefix + row (each adds >= 1 character);
+    - the token where `stop` begins goes too, with any text of its own before `stop` (byte-level
+      BPE can merge punctuation and newlines: a '.\n\n' token loses its '.')."""
     body = seq[:-1] if seq and seq[-1] in ends else seq
     tail = list(before)[-len(stop):]
     joined = tail + body

@@ -40,13 +40,13 @@ class Critic(nn.Module):
         """[B, L] in fp32, column c for the state ending at token c: values V ("scalar") or
         value logits z (BCE heads)."""
         hidden = self.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
-        if self.head_type == "scalar":  # the state after the last token is terminal: V = 0 there
+        if self.head_type == "scalar":  # no action follows column L-1: GAE takes no value there
             hidden = hidden[:, :-1]
         # autocast would recast the head to bf16
         with torch.autocast(hidden.device.type, enabled=False):
             out = self.head(hidden.float()).squeeze(-1)
         if self.head_type == "scalar":
-            return F.pad(out, (0, 1))  # [B, L]: V = 0 in the last column
+            return F.pad(out, (0, 1))  # [B, L] like the other heads, 0 in column L-1
         return tracking_logits(out, prompt_lens) if self.head_type == "tracking" else out
 
     def values(self, ids, mask, prompt_lens):
