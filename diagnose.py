@@ -369,22 +369,20 @@ def mc_settings(a, tok, policy, sampling, problems, out):
     for name, options in settings_to_compare(a.mc_k).items():
         mc = vine.MCSettings(options["k"])
         cheaper = vine_cheaper.CheaperSettings(**{o: v for o, v in options.items() if o != "k"})
-        step_advantages = lambda ep: (
-            vine_cheaper.reuse_step_advantages(ep.step_values, ep.reward, ep.step_counts)
-            if cheaper.reuse else vine.step_advantages(ep.step_values, ep.reward))
         runs = []
         for repeat in range(a.repeats):
             torch.manual_seed(a.seed + 1 + repeat)
             counts, seconds = collections.Counter(), 0.0
             for chunk, cache in caches:
                 began = time.perf_counter()
-                counts += (vine_cheaper.mc_values(policy, chunk, cache, sampling, mc, cheaper)
-                           if cheaper.on() else vine.mc_values(policy, chunk, cache, sampling, mc))
+                counts += train.value_with_mc(policy, chunk, cache, sampling, mc, cheaper)
                 seconds += time.perf_counter() - began
+            advantages = [vine_cheaper.episode_step_advantages(ep, cheaper.reuse)
+                          for ep in episodes]
             errors = [(abs(v - t), abs(adv - true_adv))
-                      for ep, tv, ta in zip(episodes, true_values, true_advantages)
-                      for v, t, adv, true_adv in zip(ep.step_values, tv,
-                                                     step_advantages(ep), ta)]
+                      for ep, advs, tv, ta in zip(episodes, advantages, true_values,
+                                                  true_advantages)
+                      for v, t, adv, true_adv in zip(ep.step_values, tv, advs, ta)]
             runs.append([counts["mc_continuations"] / counts["mc_states"], counts["mc_tokens"],
                          seconds, *map(statistics.mean, zip(*errors))])
         rows[name] = dict(zip(("per_state", "mc_tokens", "seconds", "value_mae", "advantage_mae"),

@@ -107,7 +107,7 @@ def test_critic_head_runs_in_fp32_under_autocast(model, head):
     expected = F.linear(hidden.float(), critic.head.weight, critic.head.bias).squeeze(-1)
     if head == "tracking":
         expected = value.tracking_logits(expected, prompt_lens)
-    if head == "scalar":  # [B, L] like the other heads: V = 0 after the last token (terminal)
+    if head == "scalar":  # [B, L] like the other heads: 0 in column L-1, where no action follows
         expected = F.pad(expected, (0, 1))
     assert out.shape == ids.shape
     assert out.dtype == values.dtype == torch.float32 and torch.equal(out, expected)

@@ -343,9 +343,10 @@ def true_value(state) -> float:
 
 def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
     """E[A_i | s_i, a_i] of the first episode by exact enumeration of every response of the group
-    and every MC continuation of every state, through mc_values and step_advantages (vine.py's, or
-    vine_cheaper.py's with options); and the same with the response put into its own baselines
-    (what reuse must not do). -> {(i, step tokens): (E, E put in baseline)}"""
+    and every MC continuation of every state, through train.value_with_mc and the step
+    advantages (vine.py's, or vine_cheaper.py's with options); and the same with the response
+    put into its own baselines (what reuse must not do).
+    -> {(i, step tokens): (E, E put in baseline)}"""
     states = [(1,), (1, 3), (1, 4)]
     assignment = {}
     monkeypatch.setattr(generation, "continue_from_cache",
@@ -364,14 +365,9 @@ def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
                                    step_starts=[0, 1])
                    for r, _ in responses]
             cheaper = vine_cheaper.CheaperSettings(**options)
-            if cheaper.on():
-                vine_cheaper.mc_values(None, eps, None, sampling, vine.MCSettings(k), cheaper)
-            else:
-                vine.mc_values(None, eps, None, sampling, vine.MCSettings(k))
+            train.value_with_mc(None, eps, None, sampling, vine.MCSettings(k), cheaper)
             ep = eps[0]
-            advantages = (vine_cheaper.reuse_step_advantages(ep.step_values, ep.reward,
-                                                             ep.step_counts) if cheaper.reuse
-                          else vine.step_advantages(ep.step_values, ep.reward))
+            advantages = vine_cheaper.episode_step_advantages(ep, cheaper.reuse)
             own = [(n * v + ep.reward) / (n + 1)
                    for v, n in zip(ep.step_values, ep.step_counts or [k] * 2)]
             # the response in the baseline of its own steps

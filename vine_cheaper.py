@@ -83,6 +83,13 @@ def reuse_step_advantages(values: list, outcome: float, counts: list) -> list[fl
     return [joined[i] - v[i] for i in range(len(v) - 1)] + [outcome - v[-1]]
 
 
+def episode_step_advantages(ep: rollout.Episode, reuse: bool) -> list[float]:
+    """ep's A_i, one per step: vine.step_advantages, or with reuse reuse_step_advantages."""
+    if reuse:
+        return reuse_step_advantages(ep.step_values, ep.reward, ep.step_counts)
+    return vine.step_advantages(ep.step_values, ep.reward)
+
+
 def reuse_advantages(ep: rollout.Episode) -> torch.Tensor:
     """vine.episode_advantages with reuse: [T], reuse_step_advantages on each step's tokens."""
     step_adv = reuse_step_advantages(ep.step_values, ep.reward, ep.step_counts)
