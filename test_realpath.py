@@ -129,36 +129,39 @@ def test_token_texts_spell_the_decoded_response(llama_tok):
     assert vine.token_texts(tok, ids)[-2:] == ["", "½"]
 
 
-def test_space_before_newline_old_boundary_one_token_early(llama_tok):
-    """A lone '▁' decodes to '' on its own, so the old per-token texts put the boundary on it;
-    its character is the space that ends the first line, so the step starts at the newline."""
+def test_space_before_newline_keeps_its_space(llama_tok):
+    """A lone '▁' decodes to '' on its own, but its text is the space that ends the first line;
+    the step that line ends closes with the newline token after it."""
     tok = llama_tok
     ids = llama_response(tok, FIXTURE[27]["question"],
                          "\nShe sold 24 clips. \nIn all 72.\n#### 72\n")
     tokens = tok.convert_ids_to_tokens(ids)
-    lone = [tok.decode([i], skip_special_tokens=True) for i in ids]  # the old way: each token alone
-    new, old = vine.response_step_starts(tok, ids), vine.line_step_starts(lone)
-    newline = tokens.index("<0x0A>", 1)  # the newline that opens step 2
+    lone = [tok.decode([i], skip_special_tokens=True) for i in ids]  # each token alone
+    newline = tokens.index("<0x0A>", 1)  # the newline that closes step 0
     assert tokens[newline - 1] == "▁" and lone[newline - 1] == ""
-    assert new == [0, newline] and old == [0, newline - 1]
-    assert [tok.decode(ids[a:b]) for a, b in zip(new, new[1:] + [len(ids)])] == \
-        ["\nShe sold 24 clips. ", "\nIn all 72.\n#### 72\n"]
+    assert vine.token_texts(tok, ids)[newline - 1] == " "
+    starts = vine.response_step_starts(tok, ids)
+    assert starts[:2] == [0, newline + 1]
+    assert [tok.decode(ids[a:b]) for a, b in zip(starts, starts[1:] + [len(ids)])] == \
+        ["\nShe sold 24 clips. \n", "In all 72.\n", "#### 72\n"]
 
 
-def test_boundaries_of_gold_solutions_fall_on_their_newlines(llama_tok):
+def test_boundaries_of_gold_solutions_fall_after_their_newlines(llama_tok):
     """Every gold solution, and the same with a space ending each line (as a model may write it):
-    each step after the first starts at the newline token that opens it (the reference's
-    GSM8K.split_solution_into_intermediate_steps in tasks/gsm8k.py: a step per line)."""
+    each line is a step that ends with its newline token, and the answer line is one more (the
+    reference's GSM8K lines, tasks/gsm8k.py split_solution_into_intermediate_steps, each
+    closed by its '\\n')."""
     tok = llama_tok
     for p in FIXTURE:
         gold = sft_target(p["answer"])  # '\n' + the solution without <<calculator>> notes + '\n'
         for text in (gold, gold.replace("\n", " \n")[1:]):
             ids = llama_response(tok, p["question"], text)
             starts = vine.response_step_starts(tok, ids)
-            # a step each; the last holds the answer
+            # a step each, then the answer's
             lines = text.split("\n####")[0].strip("\n").split("\n")
-            assert len(starts) == len(lines)
-            assert all(tok.convert_ids_to_tokens(ids[s]) == "<0x0A>" for s in starts[1:])
+            assert len(starts) == len(lines) + 1
+            assert all(tok.convert_ids_to_tokens(ids[s - 1]) == "<0x0A>" for s in starts[1:])
+            assert tok.decode(ids[starts[-1]:], skip_special_tokens=True).startswith("####")
 
 
 def test_char_level_boundaries_unchanged(char_tok):

@@ -80,13 +80,35 @@ def split(text, tokens=None):
     return ["".join(tokens[a:b]) for a, b in zip(starts, starts[1:] + [len(tokens)])]
 
 
-def test_step_split_reference_examples():
-    assert split("\nA.\nB.\n#### 72\n") == ["\nA.", "\nB.\n#### 72\n"]
+def test_step_split_examples():
+    # every '\n' closes its step; the answer line is a step of its own
+    assert split("\nA.\nB.\n#### 72\n") == ["\nA.\n", "B.\n", "#### 72\n"]
     assert (split("\nA = 3.\nB = 4.\n\nC = 7\n#### 1,000")
-            == ["\nA = 3.", "\nB = 4.", "\n", "\nC = 7\n#### 1,000"])
+            == ["\nA = 3.\n", "B = 4.\n", "\n", "C = 7\n", "#### 1,000"])
     # no answer: every line, leading empties merged
-    assert split("\n\nA\nB\n") == ["\n\nA", "\nB", "\n"]
-    assert split("A\n\n#### 5") == ["A\n\n#### 5"]
+    assert split("\n\nA\nB\n") == ["\n\nA\n", "B\n"]
+    assert split("A\n\n#### 5") == ["A\n", "\n", "#### 5"]
+    # the same lines as the reference's rule: each of its steps ends where one of ours does
+    for text in ("\nA.\nB.\n#### 72\n", "\nA = 3.\nB = 4.\n\nC = 7\n#### 1,000", "a\nb\n"):
+        ours = {len("".join(split(text)[:i + 1])) for i in range(len(split(text)))}
+        theirs = reference_step_starts(list(text))[1:]
+        assert all(start + 1 in ours for start in theirs), text  # its '\n' ends one of ours
+
+
+def reference_step_starts(texts: list[str]) -> list[int]:
+    """The reference's rule (tasks/gsm8k.py, split_solution_into_intermediate_steps), kept as the
+    biased convention of the exact-enumeration test: a step opens at the '\n' before its line;
+    the last line joins the answer ('\n####'); leading empty lines join the first."""
+    text = "".join(texts)
+    answer_at = text.find("\n####")
+    lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
+    nonempty = [i for i, line in enumerate(lines) if line.strip()]
+    newlines = [c for c, char in enumerate(text) if char == "\n"]
+    opens = []
+    if nonempty:
+        last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
+        opens = [newlines[i - 1] for i in range(nonempty[0] + 1, last + 1)]
+    return vine.token_steps(texts, opens)
 
 
 def test_step_starts_docstring_cases_hold():
@@ -103,9 +125,10 @@ def test_step_starts_docstring_cases_hold():
 
 
 def test_step_split_multichar_tokens_follow_first_character():
-    # '.\n' carries the newline that opens step 2, so step 2 starts at the next token
+    # '.\n' carries the newline that closes step 0, so step 1 starts at the next token; '\n#'
+    # closes step 2 with its '\n' and opens nothing (its '#' goes with it): step 3 is '###...'
     assert (split(None, ["A", ".\n", "B", "\n", "C", "\n#", "### 5", "</s>"[:0]])
-            == ["A.\n", "B", "\nC\n#### 5"])
+            == ["A.\n", "B\n", "C\n#", "### 5"])
 
 
 def test_step_advantages_hand_computed():
@@ -392,6 +415,96 @@ def test_reused_responses_keep_the_advantage_unbiased(monkeypatch, k, group, opt
         assert mean == pytest.approx(q - true_value(state), abs=1e-12), (i, taken)
         if options and i == 1:  # the response in its own baseline: E[A_1] shrinks by n / (n + 1)
             assert abs(wrong - (q - true_value(state))) > 0.05, (i, taken)
+
+
+# ---- the step rule, exactly: every response of a tabular policy enumerated -----------------------
+
+def tabular_toy(texts: list[str], right: int, length: int, needs_answer: bool, seed: int):
+    """A policy with its own logits for every history: each response of up to `length` tokens,
+    its probability (differentiable in the logits) and its reward, and V of every prefix.
+
+    Token `right` ends a response with reward 1 (with needs_answer, only after a '####' token);
+    the other end token with 0; a response still going after `length` tokens is unfinished: 0."""
+    ends = {right, len(texts) - 1} if right != len(texts) - 1 else {right}
+    steps = [v for v in range(len(texts)) if v not in ends]
+    histories = [()]
+    for h in histories:  # breadth first: every history of fewer than `length` tokens
+        histories += [h + (v,) for v in steps] if len(h) + 1 < length else []
+    row = {h: i for i, h in enumerate(histories)}
+    logits = torch.randn(len(histories), len(texts), dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    table = torch.log_softmax(logits, -1)
+    logp = lambda h, v: table[row[h], v]
+    responses = [h + (v,) for h in histories for v in range(len(texts))
+                 if v in ends or len(h) + 1 == length]
+    outcome = lambda y: float(y[-1] == right and (not needs_answer or "####" in
+                                                  "".join(texts[v] for v in y)))
+    rewards = {y: outcome(y) for y in responses}
+    log_p = {y: sum(logp(y[:t], y[t]) for t in range(len(y))) for y in responses}
+    sums = collections.defaultdict(lambda: [0.0, 0.0])  # h -> [E[R; y begins with h], P(h)]
+    for y in responses:
+        p = torch.exp(log_p[y]).item()
+        for b in range(len(y)):
+            sums[y[:b]][0] += p * rewards[y]
+            sums[y[:b]][1] += p
+    value = {h: total / weight for h, (total, weight) in sums.items()}  # V(h) = E[R | h], exact
+    return logits, logp, log_p, rewards, value
+
+
+def expected_gradients(texts, rule, right, needs_answer, seed, reuse_m=0):
+    """(grad E[R], the expected gradient of VinePPO's surrogate, the largest gap between
+    E[R | s is a state of the response] and V(s)): exact values, ratio 1, no whitening, no KL;
+    reuse_m > 0: the response joins V(s_{i+1}) with m other samples (vine_cheaper)."""
+    logits, logp, log_p, rewards, value = tabular_toy(texts, right, 5, needs_answer, seed)
+    expected_reward = sum(torch.exp(log_p[y]) * r for y, r in rewards.items())
+    true = torch.autograd.grad(expected_reward, logits, retain_graph=True)[0]
+    surrogate, through = 0.0, collections.defaultdict(lambda: [0.0, 0.0])
+    for y, r in rewards.items():
+        starts = rule([texts[v] for v in y])
+        values = [value[y[:b]] for b in starts]
+        steps = (vine_cheaper.reuse_step_advantages(values, r, [reuse_m] * len(values))
+                 if reuse_m else vine.step_advantages(values, r))
+        advantages = vine.token_advantages(starts, steps, len(y))
+        p = torch.exp(log_p[y]).item()
+        surrogate = surrogate + p * sum(a * logp(y[:t], y[t]) for t, a in enumerate(advantages))
+        for b in starts[1:]:  # a reused sample of V(s): R of a response that has s as a state
+            through[y[:b]][0] += p * r
+            through[y[:b]][1] += p
+    expected = torch.autograd.grad(surrogate, logits)[0]
+    reuse_gap = max(abs(total / weight - value[s]) for s, (total, weight) in through.items())
+    return true, expected, reuse_gap
+
+
+def answer_joined_step_starts(texts: list[str]) -> list[int]:
+    """Every '\\n' closes its step but the one before '####': the reference's answer rule."""
+    text = "".join(texts)
+    opens = [c + 1 for c, char in enumerate(text) if char == "\n" and text[:c].strip()
+             and "####" not in text[:c] and not text.startswith("####", c + 1)]
+    return vine.token_steps(texts, opens)
+
+
+@pytest.mark.parametrize("texts, right, needs_answer", [
+    (["a", "\n", "", ""], 2, False),                # lines, a right and a wrong end
+    (["a", "\n", "####", "", ""], 3, True)])        # and an answer marker the reward needs
+def test_every_newline_closing_its_step_is_exactly_unbiased(texts, right, needs_answer):
+    """The expected gradient of VinePPO's surrogate with exact values equals grad E[R] under
+    vine.line_step_starts (a state is decided by its own tokens), and not under the reference's
+    rule (a step opens at the '\n' before its line: a state depends on its next token)."""
+    for seed in range(3):
+        for reuse_m in (0, 2):
+            true, ours, gap = expected_gradients(texts, vine.line_step_starts, right,
+                                                 needs_answer, seed, reuse_m)
+            assert true.abs().max() > 0.01
+            assert (ours - true).abs().max() < 1e-12 and gap < 1e-12, (seed, reuse_m)
+    # the reference's rule: biased, and a reused sample misses V(s) by far
+    biased = [expected_gradients(texts, reference_step_starts, right, needs_answer, seed)
+              for seed in range(3)]
+    assert max((theirs - true).abs().max() for true, theirs, _ in biased) > 1e-3
+    assert max(gap for _, _, gap in biased) > 0.5
+    if needs_answer:  # lines closed by their '\n', but the answer joining the last: biased too
+        joined = [expected_gradients(texts, answer_joined_step_starts, right, True, seed)
+                  for seed in range(3)]
+        assert max((theirs - true).abs().max() for true, theirs, _ in joined) > 1e-3
 
 
 def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):

@@ -51,7 +51,7 @@ def test_the_docs_table_of_answer_styles_is_how_they_grade():
             assert reward.grade(response, gold_field, style="boxed") == boxed
 
 
-def test_sft_writes_the_chosen_style_and_the_steps_keep_the_answer_in_the_last():
+def test_sft_writes_the_chosen_style_and_the_answer_is_the_last_step():
     gold = "2+3=5\n5-1=4\n#### 4"
     hashed, boxed = sft.sft_target(gold), sft.sft_target(gold, "boxed")
     assert (hashed == "\n2+3=5\n5-1=4\n#### 4\n"
@@ -60,12 +60,12 @@ def test_sft_writes_the_chosen_style_and_the_steps_keep_the_answer_in_the_last()
     assert [reward.gsm8k_reward(boxed, gold, s) for s in ("hash", "boxed")] == [0.0, 1.0]
     pieces = lambda text, boxed: [text[a:b] for a, b in zip(
         *(lambda s: (s, s[1:] + [len(text)]))(vine.line_step_starts(list(text), boxed)))]
-    assert pieces(hashed, False) == ["\n2+3=5", "\n5-1=4\n#### 4\n"]
-    assert pieces(boxed, True) == ["\n2+3=5", "\n5-1=4\nThe answer is \\boxed{4}.\n"]
-    # hash's rule
-    assert pieces(boxed, False) == ["\n2+3=5", "\n5-1=4", "\nThe answer is \\boxed{4}.", "\n"]
-    # a box on the first line: no merge
-    assert pieces("\\boxed{4}\nmore", True) == ["\\boxed{4}", "\nmore"]
+    assert pieces(hashed, False) == ["\n2+3=5\n", "5-1=4\n", "#### 4\n"]
+    assert pieces(boxed, True) == ["\n2+3=5\n", "5-1=4\n", "The answer is \\boxed{4}.\n"]
+    # hash's rule: the '\n' after the boxed line closes a step too (its EOS, a step of its own)
+    assert pieces(boxed, False) == ["\n2+3=5\n", "5-1=4\n", "The answer is \\boxed{4}.\n"]
+    # after the answer, one step
+    assert pieces("a\n\\boxed{4}\nmore\n", True) == ["a\n", "\\boxed{4}\nmore\n"]
 
 
 def test_a_warning_when_no_response_holds_an_answer_the_grader_reads():

@@ -37,13 +37,14 @@ import rollout
 def split_steps(episodes: list[rollout.Episode], tok):
     """Set ep.step_starts: the token index where each reasoning step of the response begins.
 
-    GSM8K's rule (the reference's tasks/gsm8k.py): a step is a line, opened by the '\\n' before
-    it; the last line joins the answer. The response `7+2=9\\n9-5=4\\n#### 4`, one token a
-    character, is cut into
-        steps        '7+2=9' | '\\n9-5=4\\n#### 4'
-        step_starts  [0, 5]
-    so s_0 is the prompt and s_1 the prompt + '7+2=9' (its continuations begin with '\\n').
-    MATH's rule: sentences and lines (math_grader.math_step_offsets). Details: line_step_starts."""
+    GSM8K's rule: a step is a line with the '\\n' that ends it, and the answer line is a step
+    of its own. The response `7+2=9\\n9-5=4\\n#### 4`, one token a character, is cut into
+        steps        '7+2=9\\n' | '9-5=4\\n' | '#### 4'
+        step_starts  [0, 6, 12]
+    so s_0 is the prompt, s_1 the prompt + '7+2=9\\n', s_2 the prompt + '7+2=9\\n9-5=4\\n'.
+    Whether a prefix is a state depends only on its own tokens, so V_hat(s_i) is a baseline
+    that does not look at the action (docs/reference.md: why the reference's rule is biased).
+    MATH's rule: sentences and lines (math_grader.math_step_offsets; docs/math.md)."""
     for ep in episodes:
         ep.step_starts = response_step_starts(tok, ep.response_ids, math=ep.math,
                                               boxed=ep.style == "boxed")
@@ -51,8 +52,8 @@ def split_steps(episodes: list[rollout.Episode], tok):
 
 def response_step_starts(tok, response_ids: list[int], math: bool = False,
                          boxed: bool = False) -> list[int]:
-    """By GSM8K's rule (one line a step; boxed: --answer boxed's answer line), or by MATH's
-    (math: sentences and lines, LaTeX kept whole)."""
+    """By GSM8K's rule (one line a step; boxed: the answer is the line with \\boxed), or by
+    MATH's (math: sentences and lines, LaTeX kept whole)."""
     # the text each token adds, "".join(texts) the response's (token_texts: below the line)
     texts = token_texts(tok, response_ids)
     if math:
@@ -61,29 +62,23 @@ def response_step_starts(tok, response_ids: list[int], math: bool = False,
 
 
 def line_step_starts(texts: list[str], boxed: bool = False) -> list[int]:
-    """Token index where each step starts, by the reference's rule (tasks/gsm8k.py).
+    """Token index where each step starts: every '\\n' closes its step.
 
-    - a step opens at each line; leading empty lines join the first;
-    - the last non-empty line, empty lines after it and the answer ('\\n####'; boxed: the line
-      of the first \\boxed, from its '\\n') form one step; without an answer, every line does
-      (an answer on the first line, with no '\\n' before it, counts as none);
+    - a '\\n' closes nothing while the text before it is blank (leading empty lines join the
+      first line), nor once the text before it holds the answer ('####'; boxed: '\\boxed');
+    - each rule reads only the text before the '\\n', so no state depends on what follows it;
     - a token is in its first character's step. Cases, one token a character:
-        '\\na\\nb\\n#### 1'         \\na | \\nb\\n#### 1      leading empty lines join the first
-        'a\\n\\nb\\n#### 1'         a | \\n | \\nb\\n#### 1   an empty line between: a step
-        'a\\nb\\n'                 a | \\nb | \\n           no answer: every line is a step
-        'a\\n#### 1\\nb\\n#### 2'   a\\n#### 1\\nb\\n#### 2   the first '\\n####' is the answer"""
+        '\\na\\nb\\n#### 1'         \\na\\n | b\\n | #### 1        leading empty lines join
+        'a\\n\\nb\\n#### 1'         a\\n | \\n | b\\n | #### 1     an empty line between: a step
+        'a\\nb\\n'                 a\\n | b\\n                no answer: every line is a step
+        'a\\n#### 1\\nb\\n#### 2'   a\\n | #### 1\\nb\\n#### 2   after the answer: one step"""
     text = "".join(texts)
-    answer_at = (text.rfind("\n", 0, max(0, text.find("\\boxed"))) if boxed
-                 else text.find("\n####"))
-    lines = (text if answer_at < 0 else text[:answer_at]).split("\n")
-    nonempty = [i for i, line in enumerate(lines) if line.strip()]
-    newlines = [c for c, char in enumerate(text) if char == "\n"]  # [i - 1]: the one before line i
-    opens = []  # character positions of the '\n's that open steps
-    if nonempty:
-        # the last line that opens a step: the last non-empty one before the answer, else the last
-        last = nonempty[-1] if answer_at >= 0 else len(lines) - 1
-        # each line after the first non-empty one, up to `last`, opens a step at its '\n'
-        opens = [newlines[i - 1] for i in range(nonempty[0] + 1, last + 1)]
+    blank = len(text) - len(text.lstrip())  # the leading blank characters
+    answer_at = text.find("\\boxed" if boxed else "####")
+    answered = lambda c: 0 <= answer_at < c  # the text before c holds the answer
+    # character positions where steps 1, 2, ... start: just after each '\\n' that closes a step
+    opens = [c + 1 for c, char in enumerate(text) if char == "\n" and c > blank
+             and not answered(c)]
     return token_steps(texts, opens)
 
 
