@@ -1,7 +1,7 @@
 """Tests of MATH: the answer grader (hand-written equivalences, the reference's fallbacks, never a
-crash or a hang), the step splitter (the reference's own outputs, in token space), the data path,
-and, where a copy of MATH-500 lies beside the repository (../shared/data/math/test.jsonl), every
-gold answer and solution."""
+crash or a hang), the step splitter (the reference's own outputs, in token space, which
+boundaries are decided by the text before them), the data path, and, where a copy of MATH-500
+lies beside the repository (../shared/data/math/test.jsonl), every gold answer and solution."""
 import json
 import os
 import re
@@ -423,6 +423,116 @@ def test_math_steps_in_token_space():
         chars = list(text)  # one token per character
         assert vine.token_steps(chars, bounds[1:-1]) == bounds[:-1]
     assert multi_step >= 12  # of the 17 solutions
+
+
+# ---- 2b. which step boundaries are decided by the text before them (docs/math.md) ---------------
+# A boundary b is decided by its past when the steps of text[:b] + X up to b are the steps of the
+# text up to b whatever X follows: then the state text[:b] is a stopping time and VinePPO's
+# advantage at it has no look-ahead term.
+
+def continuations(other: str) -> list[str]:
+    """The fixed continuations tried after a boundary.
+    The response ends there, or ends with the SFT's closing newline; a sentence that opens with a
+    capital, and the same in lower case; another solution, whole and from its second step."""
+    bounds = math_grader.math_step_offsets(other)
+    sentence = "hen we have $x = 1$ and $y = 2$.\n"
+    return ["", "\n", " T" + sentence, " t" + sentence, other, other[bounds[1]:]]
+
+
+def boundary_kind(text: str, b: int) -> str:
+    """The rule that put the step boundary at b, read from the text around it.
+    Math that ends a sentence first (a newline may follow it), then a newline inside a LaTeX span
+    or outside, then a sentence end; anything else is a cut near a long part's middle."""
+    if text[:b].endswith(math_grader.MATH_ENDS):
+        return "math ends a sentence"
+    if text[b] == "\n":
+        spans = [m.span() for pattern in math_grader.MATH_SPANS
+                 for m in re.finditer(pattern, text, flags=re.S)]
+        return "newline in a span" if any(lo < b < hi for lo, hi in spans) else "newline"
+    if text[b - 1] == "." and re.match(r"\s+[A-Z]", text[b:]):
+        return "sentence end"
+    return "long part's middle"
+
+
+def look_ahead(text: str, other: str) -> dict[int, tuple[str, bool, bool]]:
+    """Each boundary b of text's steps (not 0 or the end): its kind, and whether it is look-ahead.
+    It is when text[:b] + X has other steps up to b than text has, for some X of
+    continuations(other) (first bool), or for one of 20 characters or more (second: the
+    response goes on, so no short last part follows b). A lower bound: a finite set of X, and
+    only the text's own boundaries are tried (not a position that another X would make one)."""
+    bounds = math_grader.math_step_offsets(text)
+    found = {}
+    for b in bounds[1:-1]:
+        upto = lambda steps: [c for c in steps if c <= b]
+        changed = [x for x in continuations(other)
+                   if upto(math_grader.math_step_offsets(text[:b] + x)) != upto(bounds)]
+        found[b] = (boundary_kind(text, b), bool(changed), any(len(x) >= 20 for x in changed))
+    return found
+
+
+def look_ahead_counts(rows: list[dict]) -> dict[str, list[int]]:
+    """{kind: [boundaries, look-ahead ones, look-ahead ones with the response going on]}.
+    Over the solutions written as the SFT response ('\\n' + solution + '\\n'), each continued by
+    the next row's; 'all' sums the kinds, 'responses' counts responses with at least one."""
+    texts = ["\n" + row["solution"] + "\n" for row in rows]
+    counts = {"all": [0, 0, 0], "responses": [0, 0, 0]}
+    for i, text in enumerate(texts):
+        found = look_ahead(text, texts[(i + 1) % len(texts)]).values()
+        for kind, *ahead in found:
+            for key in kind, "all":
+                counts[key] = [n + k for n, k in zip(counts.get(key, [0, 0, 0]), [1, *ahead])]
+        seen = [True, any(a for _, a, _ in found), any(g for _, _, g in found)]
+        counts["responses"] = [n + k for n, k in zip(counts["responses"], seen)]
+    return counts
+
+
+def test_look_ahead_boundaries_of_the_fixture_as_docs_math_counts_them():
+    """docs/math.md's figures for the fixture: every boundary is look-ahead once the response may
+    end after it; with the response going on, every sentence end and newline, most long parts'
+    middles, and no cut after math that ends a sentence."""
+    assert look_ahead_counts(FIXTURE) == {
+        "all": [37, 37, 28], "responses": [17, 14, 12],
+        "math ends a sentence": [6, 6, 0], "newline": [4, 4, 4], "newline in a span": [7, 7, 7],
+        "sentence end": [4, 4, 4], "long part's middle": [16, 16, 13]}
+
+
+def steps_up_to(text: str, end: int) -> list[int]:
+    return [c for c in math_grader.math_step_offsets(text) if c <= end]
+
+
+@pytest.mark.parametrize("prefix, one, other, kind, going_on", [
+    # a sentence end: a cut after '.' only before spaces and a capital
+    ("We know that x is two.", " Then y is three here.", " then y is three here.",
+     "sentence end", True),
+    # a newline opens its part: a cut before the '\n'
+    ("We know that x is two", "\nso y is three here.", " so y is three here.", "newline", True),
+    # a newline inside a span is cut only once the span closes
+    ("So \\begin{align*}\nx&=1\\\\", "\ny&=2\n\\end{align*}", "\ny&=2 and more text goes on",
+     "newline in a span", True),
+    # a part over 100 characters is cut near its middle: where it ends moves the middle
+    ("We know that x is two, and y is three, and z is four,",
+     " and w is five, and v is six, and u is seven, and so on.",
+     " and w is five, and v is six, and u is seven, and t is eight, and s is nine, and so on.",
+     "long part's middle", True),
+    # a last part under 20 characters joins the one before: the response's end decides, even
+    # after math that ends a sentence, a cut otherwise decided by its past
+    ("We get $x = 5.$", " Then y is five too, as said.", "\n", "math ends a sentence", False),
+])
+def test_a_look_ahead_boundary_kind_by_two_texts_sharing_a_prefix(prefix, one, other, kind,
+                                                                  going_on):
+    """Two texts sharing a prefix, with other steps within it; look_ahead finds the boundary at
+    the prefix's end (other is one of the continuations it tries) and its kind."""
+    assert steps_up_to(prefix + one, len(prefix)) != steps_up_to(prefix + other, len(prefix))
+    assert look_ahead(prefix + one, other)[len(prefix)] == (kind, True, going_on)
+
+
+def test_a_cut_after_math_that_ends_a_sentence_is_decided_by_its_past():
+    """The cut after '.$' stands whatever follows, as long as the response goes on (and no '$'
+    follows the closing '$' at once: once in the 12,000 training solutions)."""
+    prefix = "We get $x = 5.$"
+    for rest in [" Then y is five too, as said.", " and so y is five, as said.",
+                 "\n\nNext, we find y from x."]:
+        assert steps_up_to(prefix + rest, len(prefix)) == [0, len(prefix)]
 
 
 # ---- 3. data, settings and the whole path -------------------------------------------------------
