@@ -14,9 +14,10 @@ architectures). What fork relies on in transformers 5, which that test would cat
 - a cache layer is a DynamicLayer with `keys`, `values`, `is_initialized` and `update`
   (PreallocatedLayer).
 
-Read in order: continue_from_cache, within_context, forkable, fresh_decode, fork,
-copy_columns, PreallocatedLayer, generate, finish. Below the line: the stop string's cut, generate's
-settings, the GPU's gather. The batches and their reused buffers: batching.fork_batches.
+Read in order: continue_from_cache, within_context, within_context_batches, forkable,
+fresh_decode, fork, copy_columns, PreallocatedLayer, generate, finish. Below the line: the stop
+string's cut, generate's settings, the GPU's gather. The batches and their reused buffers:
+batching.fork_batches.
 """
 import torch
 from transformers import DynamicCache, GenerationConfig
@@ -38,7 +39,8 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
     - the prefixes go to `generate` in batches of least padding (batching.fork_batches); one batch's
       buffers are alive at a time (allocate: the next batch reuses them);
     - each batch is forked from the cache (fork) and decoded to its largest budget, or encoded
-      afresh where fork cannot read the cache (forkable, fresh_decode);
+      afresh where fork cannot read the cache (forkable, fresh_decode); a batch where a row
+      would pass the model's context is cut first (within_context_batches);
     - each row is cut to its own budget at an end id or the stop string (finish), and is
       finished only when it stopped by itself."""
     if not prefixes:
@@ -46,6 +48,9 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
     budgets = within_context(model, prefixes, budgets)
     conts, finished = [None] * len(prefixes), [None] * len(prefixes)
     parts, allocate = batching.fork_batches(model, prefixes, budgets, k, sampling.max_batch_tokens)
+    context = model.config.max_position_embeddings
+    parts = [batch for part in parts for batch in within_context_batches(part, prefixes, budgets,
+                                                                         context)]
     was_training = model.training
     model.eval()  # no dropout while sampling; restored on return, or on an error
     try:
@@ -75,6 +80,22 @@ def within_context(model, prefixes, budgets: list[int]) -> list[int]:
     """Each budget cut to what the model's context leaves after its prefix."""
     context = model.config.max_position_embeddings
     return [max(0, min(b, context - len(p))) for b, p in zip(budgets, prefixes)]
+
+
+def within_context_batches(part: list[int], prefixes, budgets: list[int], context: int):
+    """part, cut so that no row decodes past the context: a batch decodes every row to its
+    largest budget, so each row needs room for that (GPT-2's and OPT's position tables end
+    there). part itself when every row has room, as almost always."""
+    room = lambda j: context - len(prefixes[j])
+    if max(budgets[j] for j in part) <= min(map(room, part)):
+        return [part]
+    batches = []
+    for j in sorted(part, key=room, reverse=True):  # j: the least room of its batch so far
+        if batches and max(budgets[i] for i in batches[-1] + [j]) <= room(j):
+            batches[-1].append(j)
+        else:
+            batches.append([j])
+    return batches
 
 
 def forkable(cache) -> bool:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers as hf
 
+import batching
 import generation
 import ppo
 import reward
@@ -245,6 +246,62 @@ def test_greedy_continuations_of_every_state_equal_a_fresh_encode(name):
              for p in prefixes]
     # states that differ
     assert conts == [[a, a] for a in alone] and len(set(map(tuple, alone))) > 1
+
+
+def positions_end_at(name: str, context: int):
+    """ARCHITECTURES[name] (GPT-2 or OPT: a learned position table) with `context` positions."""
+    config, model_class, kwargs, _ = ARCHITECTURES[name]
+    field = "n_positions" if name == "gpt2" else "max_position_embeddings"
+    torch.manual_seed(0)
+    return getattr(hf, model_class)(getattr(hf, config)(**{**kwargs, field: context})).eval()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt"])
+def test_no_row_decodes_past_a_learned_position_table(name, monkeypatch):
+    """A long prefix with little room and a short one with much, in one call: forked, encoded
+    afresh, and sampled from prompts, no row is fed a position past the table (IndexError at
+    59a0332), and greedy, each row is what its prefix alone gives within its room."""
+    model = positions_end_at(name, 64).double()
+    # one batch, as a larger model's would be (a tiny one pays little for a batch more)
+    monkeypatch.setattr(batching, "batch_overhead", lambda model: 10 ** 6)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, V, (n,), generator=g).tolist() for n in (60, 10)]
+    greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=40, eos_id=V + 5,
+                              pad_id=0)
+    alone = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=int),
+                            max_new_tokens=n, do_sample=False, eos_token_id=V + 5,
+                            pad_token_id=0)[0, len(p):].tolist()
+             for p, n in zip(seqs, (4, 40))]  # 64 - 60: the long row's room
+    _, cache = rollout.token_logprobs(model, *rollout.pad_right(seqs, 0), 1.0, keep_cache=True)
+    forked = generation.continue_from_cache(model, seqs, 2, [40, 40], greedy, cache=cache,
+                                            rows=[0, 1])[0]
+    sampled = rollout.sample(model, seqs, 2, [40, 40], greedy)[0]
+    monkeypatch.setattr(generation, "forkable", lambda cache: False)
+    afresh = generation.continue_from_cache(model, seqs, 2, [40, 40], greedy, cache=cache,
+                                            rows=[0, 1])[0]
+    assert forked == sampled == afresh == [[a, a] for a in alone]
+
+
+@pytest.mark.slow
+def test_a_run_on_a_short_context_model_never_passes_it(tmp_path):
+    """train.py on a GPT-2 of 64 positions: SFT examples longer than the context are skipped and
+    said, evaluation asks for 200 new tokens, VinePPO forks long states beside short ones."""
+    models.build_tiny_model(str(tmp_path / "tok"), 0)  # a tokenizer: the demo's, by character
+    tok = hf.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    config, model_class, kwargs, _ = ARCHITECTURES["gpt2"]
+    kwargs = {**kwargs, "vocab_size": len(tok), "n_positions": 64,
+              "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id}
+    getattr(hf, model_class)(getattr(hf, config)(**kwargs)).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--model",
+                          str(tmp_path / "gpt2"), "--arith-steps", "4-7", "--max-new-tokens",
+                          "200", "--iterations", "1", "--prompts-per-iter", "4",
+                          "--samples-per-prompt", "2", "--sft-steps", "2", "--eval-problems",
+                          "4", "--eval-every", "1", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"sft: skipped \d+ of \d+ training problems: prompt and solution over the "
+                     r"model's context \(max_position_embeddings\) = 64 tokens", out.stdout)
 
 
 def test_a_cache_the_fork_cannot_copy_is_announced(capsys):

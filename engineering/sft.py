@@ -47,23 +47,25 @@ def sft_example(tok, prompt: str, answer: str, style: str = "hash", chat: bool =
     return prompt_ids + response + [tok.eos_token_id if end_id is None else end_id], len(prompt_ids)
 
 
-def sft_examples(tok, problems: list[dict], max_tokens: int,
-                 chat: bool = False) -> list[tuple[list[int], int]]:
+RL_LONGEST = "--max-prompt-tokens + --max-new-tokens"  # the longest sequence RL holds
+
+
+def sft_examples(tok, problems: list[dict], max_tokens: int, chat: bool = False,
+                 limit: str = RL_LONGEST) -> list[tuple[list[int], int]]:
     """(ids, prompt length) of the SFT examples no longer than the longest sequence RL holds,
-    max_tokens = --max-prompt-tokens + --max-new-tokens: SFT never needs more memory than RL for
-    one."""
+    max_tokens = --max-prompt-tokens + --max-new-tokens or the model's context if less (`limit`
+    names which): SFT never needs more memory than RL for one, nor a position past the context."""
     end = stop_ids(tok, None, chat)[0]  # the id a turn ends in, as sampling stops at it
     examples = [sft_example(tok, p["prompt"], p.get("demonstration", p["answer"]),
                             p.get("style", "hash"), chat, p["prompt_ids"], end)
                 for p in problems]
     kept = [(ids, n_prompt) for ids, n_prompt in examples if len(ids) <= max_tokens]
     if not kept:
-        raise DataError(f"--max-prompt-tokens + --max-new-tokens = {max_tokens}: every training "
-                        "problem's SFT example (prompt and solution) is longer")
+        raise DataError(f"{limit} = {max_tokens}: every training problem's SFT example (prompt "
+                        "and solution) is longer")
     if len(kept) < len(examples) and parallel.rank() == 0:
         tqdm.write(f"sft: skipped {len(examples) - len(kept)} of {len(examples)} training "
-                   "problems: prompt and solution over --max-prompt-tokens + --max-new-tokens = "
-                   f"{max_tokens} tokens")
+                   f"problems: prompt and solution over {limit} = {max_tokens} tokens")
     return kept
 
 
@@ -72,8 +74,11 @@ def sft_warm_start(policy, tok, problems: list[dict], cfg, device, autocast):
     tokens only."""
     rank, world, steps, lr = parallel.rank(), parallel.world_size(), cfg.sft_steps, cfg.sft_lr
     rng, model = random.Random(cfg.seed), parallel.wrap(policy, cfg.fsdp, device)
-    max_tokens = cfg.max_prompt_tokens + cfg.max_new_tokens
-    examples, skipped = sft_examples(tok, problems, max_tokens, cfg.chat), 0
+    max_tokens, limit = cfg.max_prompt_tokens + cfg.max_new_tokens, RL_LONGEST
+    context = getattr(policy.config, "max_position_embeddings", None)
+    if context and context < max_tokens:
+        max_tokens, limit = context, "the model's context (max_position_embeddings)"
+    examples, skipped = sft_examples(tok, problems, max_tokens, cfg.chat, limit), 0
     policy.train()
     optim = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     for step in tqdm(range(steps), desc="sft", disable=rank != 0):
