@@ -4,7 +4,7 @@ Cut each response into reasoning steps; from the start s_i of every step sample 
 continuations, forked from the old-log-prob pass's KV cache (generation.py); every token of
 step i takes A_i:
 
-    V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)    (unbiased for the policy that samples)
+    V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)    (unbiased for V(s_i) of the sampler)
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),   r_i = R [i = n-1],   V(s_n) = 0
 
 n is the number of steps, R the response's reward, gamma = 1 (the KL term lives in the loss).

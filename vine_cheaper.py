@@ -8,7 +8,8 @@ takes reuse_advantages.
 - adaptive K (--mc-max-rollouts): the reference's ciAwre_10ir_4nr_ci0.05 config, more
   continuations while a value's 95% interval is wide (more_rollouts);
 - reuse (--mc-reuse): each sampled response is one more continuation of every state it passes
-  through, never in the baseline of its own steps (reuse_step_advantages: still unbiased);
+  through, never in the baseline of its own steps (reuse_step_advantages: still exactly
+  unbiased, as a state is decided by its own tokens: vine.split_steps);
 - top-up (--mc-top-up, with reuse): a state gets only what brings it to K samples.
 What each buys, measured: docs/experiments.md.
 """
@@ -43,7 +44,8 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
       (more_rollouts);
     - reuse: each sampled response is one more continuation of every state it passes through;
       it joins those states' values, except as the baseline of its own steps (ep.step_counts,
-      see reuse_step_advantages), so the advantage stays unbiased;
+      see reuse_step_advantages), so the advantage stays exactly unbiased (states decided by
+      their own tokens: test_every_newline_closing_its_step_is_exactly_unbiased);
     - top_up (with reuse): a state gets only the continuations that bring its baselines to K
       samples, K minus the other responses through it (0 for the prompt of a group of K + 1)."""
     if cheaper.top_up and (cheaper.max_k or not cheaper.reuse):
