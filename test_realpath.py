@@ -175,7 +175,9 @@ def test_char_level_boundaries_unchanged(char_tok):
     # specials too
     samples += [torch.randint(0, len(tok), (60,), generator=g).tolist() for _ in range(50)]
     for ids in samples:
-        assert vine.response_step_starts(tok, ids) == vine.line_step_starts([lone[i] for i in ids])
+        texts = [lone[i] for i in ids]
+        assert vine.response_step_starts(tok, ids) == \
+            vine.token_steps(texts, vine.line_step_offsets("".join(texts)))
 
 
 # ---- 3. SFT examples tokenized as sampling sees them ---------------------------------------

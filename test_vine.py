@@ -74,9 +74,15 @@ def test_arith_task_is_consistent_and_multistep(steps):
 
 # ---- steps and advantages -----------------------------------------------------------------
 
+def line_steps(texts: list[str], boxed: bool = False) -> list[int]:
+    """GSM8K's step starts of a response whose tokens have these texts (vine.response_step_starts
+    without a tokenizer)."""
+    return vine.token_steps(texts, vine.line_step_offsets("".join(texts), boxed))
+
+
 def split(text, tokens=None):
     tokens = tokens or list(text)  # character-level tokens by default
-    starts = vine.line_step_starts(tokens)
+    starts = line_steps(tokens)
     return ["".join(tokens[a:b]) for a, b in zip(starts, starts[1:] + [len(tokens)])]
 
 
@@ -112,8 +118,8 @@ def reference_step_starts(texts: list[str]) -> list[int]:
 
 
 def test_step_starts_docstring_cases_hold():
-    """The table of cases in line_step_starts' docstring is what the function does."""
-    rows = vine.line_step_starts.__doc__.split("one token a character:")[1].splitlines()[1:]
+    """The table of cases in line_step_offsets' docstring is what the function does."""
+    rows = vine.line_step_offsets.__doc__.split("split at the offsets):")[1].splitlines()[1:]
     cases = [row.strip() for row in rows if row.strip().startswith("'")]
     assert len(cases) == 4
     for case in cases:
@@ -216,15 +222,15 @@ def test_the_definition_page_gives_mc_values_numbers(tmp_path):
     for ep in episodes:
         ep.reward = reward.response_reward(ep, ep.response_ids, tok) if ep.finished else 0.0
     vine.split_steps(episodes, tok)
-    greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=20,
+    greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=32,
                               eos_id=tok.eos_token_id, pad_id=rollout.pad_id(tok), tokenizer=tok)
     # the random model: every state's continuation, forked and afresh
     cache = rollout.old_logprobs(model, episodes, 1.0, greedy.pad_id, keep_cache=True)
     states = vine.distinct_states(episodes)  # state tokens -> (e, b)
     forked = generation.continue_from_cache(model, [list(s) for s in states], 1,
-                                            [20 - b for _, b in states.values()], greedy,
+                                            [32 - b for _, b in states.values()], greedy,
                                             cache=cache, rows=[e for e, _ in states.values()])
-    afresh = [definition["continuation"](model, tok.eos_token_id, list(s), 20 - b, 0.0)
+    afresh = [definition["continuation"](model, tok.eos_token_id, list(s), 32 - b, 0.0)
               for s, (_, b) in states.items()]
     assert forked == ([[c] for c, _ in afresh], [[f] for _, f in afresh])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -237,12 +243,13 @@ def test_the_definition_page_gives_mc_values_numbers(tmp_path):
     cache = rollout.old_logprobs(model, episodes, 1.0, greedy.pad_id, keep_cache=True)
     vine.mc_values(model, episodes, cache, greedy, vine.MCSettings(k=2))
     for ep in episodes:
-        by_definition = [definition["mc_value"](model, tok, ep, start, 2, 20, 0.0)
+        by_definition = [definition["mc_value"](model, tok, ep, start, 2, 32, 0.0)
                          for start in ep.step_starts]
         assert ep.step_values == by_definition
-        assert (definition["step_advantages"](model, tok, ep, 2, 20, 0.0)
+        assert (definition["step_advantages"](model, tok, ep, 2, 32, 0.0)
                 == vine.step_advantages(ep.step_values, ep.reward))
-    assert [episodes[e].step_values for e in (0, 1, 4)] == [[1, 1], [1, 0], [0, 0]]
+    assert ([episodes[e].step_values for e in (0, 1, 4)]
+            == [[1, 1, 1], [1, 0, 0], [0, 0, 0]])
 
 
 def reference_rollout_count(rewards: list[int], k: int, increment: int, max_k: int,
@@ -488,11 +495,11 @@ def answer_joined_step_starts(texts: list[str]) -> list[int]:
     (["a", "\n", "####", "", ""], 3, True)])        # and an answer marker the reward needs
 def test_every_newline_closing_its_step_is_exactly_unbiased(texts, right, needs_answer):
     """The expected gradient of VinePPO's surrogate with exact values equals grad E[R] under
-    vine.line_step_starts (a state is decided by its own tokens), and not under the reference's
+    vine.line_step_offsets (a state is decided by its own tokens), and not under the reference's
     rule (a step opens at the '\n' before its line: a state depends on its next token)."""
     for seed in range(3):
         for reuse_m in (0, 2):
-            true, ours, gap = expected_gradients(texts, vine.line_step_starts, right,
+            true, ours, gap = expected_gradients(texts, line_steps, right,
                                                  needs_answer, seed, reuse_m)
             assert true.abs().max() > 0.01
             assert (ours - true).abs().max() < 1e-12 and gap < 1e-12, (seed, reuse_m)
@@ -1339,7 +1346,7 @@ def test_grader_never_raises_on_any_text(completion, gold):
 @pytest.mark.parametrize("text", ADVERSARIAL)
 def test_grader_never_raises_on_adversarial_text(text):
     assert gsm8k_reward(text, "72") in (0.0, 1.0) and gsm8k_reward("#### 72", text) in (0.0, 1.0)
-    vine.line_step_starts(list(text[:5000]))  # the step splitter takes any text too
+    vine.line_step_offsets(text[:5000])  # the step splitter takes any text too
 
 
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}  # no test needs a hub; an unknown id fails at once

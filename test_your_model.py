@@ -59,8 +59,9 @@ def test_sft_writes_the_chosen_style_and_the_answer_is_the_last_step():
             and boxed == "\n2+3=5\n5-1=4\nThe answer is \\boxed{4}.\n")
     assert sft.sft_target(gold, "boxed", chat=True) == "2+3=5\n5-1=4\nThe answer is \\boxed{4}."
     assert [reward.gsm8k_reward(boxed, gold, s) for s in ("hash", "boxed")] == [0.0, 1.0]
-    pieces = lambda text, boxed: [text[a:b] for a, b in zip(
-        *(lambda s: (s, s[1:] + [len(text)]))(vine.line_step_starts(list(text), boxed)))]
+    def pieces(text, boxed):  # the text cut at the step offsets (an empty piece is no step)
+        cuts = [0] + vine.line_step_offsets(text, boxed) + [len(text)]
+        return [text[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
     assert pieces(hashed, False) == ["\n2+3=5\n", "5-1=4\n", "#### 4\n"]
     assert pieces(boxed, True) == ["\n2+3=5\n", "5-1=4\n", "The answer is \\boxed{4}.\n"]
     # hash's rule: the '\n' after the boxed line closes a step too (its EOS, a step of its own)

@@ -52,39 +52,39 @@ def split_steps(episodes: list[rollout.Episode], tok):
 
 def response_step_starts(tok, response_ids: list[int], math: bool = False,
                          boxed: bool = False) -> list[int]:
-    """By GSM8K's rule (one line a step; boxed: the answer is the line with \\boxed), or by
-    MATH's (math: sentences and lines, LaTeX kept whole)."""
+    """Token index where each step starts: the step rule on the response's text, then each
+    token put in its first character's step (token_steps).
+    GSM8K's rule: line_step_offsets (boxed: the answer is the line with \\boxed); MATH's
+    (math): sentences and lines, LaTeX kept whole."""
     # the text each token adds, "".join(texts) the response's (token_texts: below the line)
     texts = token_texts(tok, response_ids)
-    if math:
-        return token_steps(texts, math_grader.math_step_offsets("".join(texts))[1:-1])
-    return line_step_starts(texts, boxed)
+    text = "".join(texts)
+    offsets = (math_grader.math_step_offsets(text)[1:-1] if math
+               else line_step_offsets(text, boxed))
+    return token_steps(texts, offsets)
 
 
-def line_step_starts(texts: list[str], boxed: bool = False) -> list[int]:
-    """Token index where each step starts: every '\\n' closes its step.
+def line_step_offsets(text: str, boxed: bool = False) -> list[int]:
+    """The character offsets where steps 1, 2, ... start: every '\\n' closes its step.
 
     - a '\\n' closes nothing while the text before it is blank (leading empty lines join the
       first line), nor once the text before it holds the answer ('####'; boxed: '\\boxed');
-    - each rule reads only the text before the '\\n', so no state depends on what follows it;
-    - a token is in its first character's step. Cases, one token a character:
+    - each rule reads only the text before the '\\n', so no state depends on what follows it.
+    Cases (steps split at the offsets):
         '\\na\\nb\\n#### 1'         \\na\\n | b\\n | #### 1        leading empty lines join
         'a\\n\\nb\\n#### 1'         a\\n | \\n | b\\n | #### 1     an empty line between: a step
         'a\\nb\\n'                 a\\n | b\\n                no answer: every line is a step
         'a\\n#### 1\\nb\\n#### 2'   a\\n | #### 1\\nb\\n#### 2   after the answer: one step"""
-    text = "".join(texts)
     blank = len(text) - len(text.lstrip())  # the leading blank characters
     answer_at = text.find("\\boxed" if boxed else "####")
     answered = lambda c: 0 <= answer_at < c  # the text before c holds the answer
-    # character positions where steps 1, 2, ... start: just after each '\\n' that closes a step
-    opens = [c + 1 for c, char in enumerate(text) if char == "\n" and c > blank
-             and not answered(c)]
-    return token_steps(texts, opens)
+    return [c + 1 for c, char in enumerate(text) if char == "\n" and c > blank
+            and not answered(c)]
 
 
 def token_steps(texts: list[str], opens: list[int]) -> list[int]:
-    """Token index where each step starts, given the character positions `opens` where steps
-    1, 2, ... start (step 0 starts at token 0)."""
+    """Token index where each step starts, given the character offsets `opens` where steps
+    1, 2, ... start (step 0 starts at token 0): a token is in its first character's step."""
     # each token's first character
     firsts = list(accumulate((len(t) for t in texts), initial=0))[:-1]
     steps = [bisect_right(opens, char) for char in firsts]  # steps opened at or before it
