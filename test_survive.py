@@ -1,7 +1,7 @@
 """Tests: no run loses, mixes or silently truncates results, and no input that passed the checks
 ends in a traceback: the --out lock, a checkpoint rotation killed at every step, --overwrite,
-interrupts, failed writes, the shape of what --resume reads, the SFT length cap and non-finite
-guard, and fast offline failures."""
+interrupts, failed writes, the shape of what --resume reads, the folders the tools may write
+into, the SFT length cap and non-finite guard, and fast offline failures."""
 import fcntl
 import json
 import os
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import test_vine
 import train
-from engineering import checkpoint, models, prompts, sft, start
+from engineering import checkpoint, models, outputs, prompts, sft, start
 from engineering.tasks import DataError
 from test_vine import HERE, OFFLINE, SMALL, numbers, run_train
 
@@ -164,23 +164,26 @@ def test_a_second_run_into_a_locked_out_is_refused_in_one_line(tmp_path):
 
 def test_overwrite_removes_all_of_the_earlier_run_before_writing(tmp_path):
     """Killed right after --overwrite cleared the earlier run, a --resume starts afresh: nothing of
-    the old run (its checkpoint above all) is left to continue from. Files that are not the run's
-    stay. The removal is not prepare_out's: that comes before anything that can refuse the run."""
-    for name in checkpoint.RESULTS + checkpoint.LEFTOVERS:
-        if (name.endswith((".jsonl", ".tmp")) and "checkpoint" not in name
+    the old run (its checkpoint above all) is left to continue from. The other tools' files
+    stay (diagnose.py's). The removal is not prepare_out's: that comes before anything that can
+    refuse the run."""
+    for name in outputs.RESULTS + outputs.LEFTOVERS:
+        if name == "config.json":
+            checkpoint.record_settings(train.parse_args(["--out", str(tmp_path)]))
+        elif (name.endswith((".jsonl", ".tmp")) and "checkpoint" not in name
                 and "reference" not in name):
             (tmp_path / name).write_text('{"iteration": 0}\n')
         else:
             (tmp_path / name).mkdir()
             (tmp_path / name / "trainer_state.pt").write_bytes(b"x")
-    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "diagnose.jsonl").write_text("{}\n")
     with pytest.raises(DataError, match="holds an earlier run"):
         start.prepare_out(train.parse_args(["--out", str(tmp_path)]))
     before = sorted(os.listdir(tmp_path))
     start.prepare_out(train.parse_args(["--out", str(tmp_path), "--overwrite"]))
     assert sorted(os.listdir(tmp_path)) == before  # nothing removed yet
     start.remove_earlier_run(str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == [".lock", "notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "diagnose.jsonl"]
     assert (checkpoint.find_resume(train.parse_args(["--out", str(tmp_path), "--resume"]))
             == (None, None))
     start.held_lock.close()
@@ -269,7 +272,7 @@ def test_a_trainer_state_of_the_wrong_shape_is_refused_in_one_line(tmp_path, sta
 
 @pytest.mark.parametrize("settings, message", [
     (None, "cannot be read"), ("{", "cannot be read"),
-    ('{"model": "tiny"}', "is not a run's settings (no --iterations)"),
+    ('{"model": "tiny"}', "is not a run's settings (train.py's --iterations, --algo, --out)"),
 ])
 def test_resume_checks_the_runs_settings_file(tmp_path, settings, message):
     """OUT/config.json is what --resume compares a continued run with: missing or damaged, one
@@ -967,3 +970,89 @@ def test_compare_marks_finished_only_a_run_that_was_written(monkeypatch, capsys,
     assert stop.value.code == 1 and err == f"error: train.py ended without writing its run " \
                                            f"to {out!r}\n", err
     assert not os.path.exists(out)
+
+
+# ---- issue 52: folders that are not a run's, outputs kept, reuse and resume that say what runs --
+
+
+def test_an_out_holding_files_that_are_not_a_runs_is_refused_naming_one(tmp_path, tiny):
+    """Case 1: a copy of a model as --out had its config.json replaced by the run's, and
+    --overwrite replaced a user's own config.json. Now refused in one line naming a file that is
+    not this project's, with or without --overwrite, nothing written there (no lock either); a
+    run's folder holding other tools' files (diagnose.py's, compare.py's mark) is fine."""
+    tok, model = tiny
+    victim, mine, notes = tmp_path / "victim", tmp_path / "mine", tmp_path / "notes"
+    model.save_pretrained(victim)  # cp -a MODEL victim
+    tok.save_pretrained(victim)
+    mine.mkdir()
+    (mine / "config.json").write_text('{"iterations": 3, "lr": 0.1}\n')
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    before = files(tmp_path)
+    for out, name, what in ((victim, "config.json", "is not a run's settings"),
+                            (mine, "config.json", "is not a run's settings"),
+                            (notes, "notes.txt", "no tool of this project writes")):
+        for flags in ([], ["--overwrite"], ["--resume"]):
+            with pytest.raises(DataError, match=f"^--out '{out}' holds '{name}', which {what}"):
+                start.prepare_out(train.parse_args(["--out", str(out), *flags]))
+    assert files(tmp_path) == before
+    assert not any((folder / ".lock").exists() for folder in (victim, mine, notes))
+    run = tmp_path / "run"
+    earlier_run(run, tiny)
+    for name in ("diagnose.jsonl", "trace.json", outputs.FINISHED, "checkpoint.tmp"):
+        (run / name).write_text("{}")
+    start.prepare_out(train.parse_args(["--out", str(run), "--resume"]))
+    start.held_lock.close()
+
+
+def test_gpu_report_keeps_an_earlier_report_unless_overwrite(tmp_path, capsys):
+    """Case 2: bench.py --gpu-report replaced an earlier gpu-report.md and .json (a real GPU's)
+    without a word. Now refused in one line unless --overwrite, as train.py's --out is; a folder
+    of someone else's files is refused whatever the flags."""
+    import bench
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "gpu-report.md").write_text("a real GPU's report")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    for args, message in (
+            ([str(report), "--smoke"],
+             f"--gpu-report '{report}' holds an earlier report (gpu-report.md): pass "
+             "--overwrite to replace it"),
+            ([str(tmp_path / "other"), "--smoke", "--overwrite"],
+             f"--gpu-report '{tmp_path / 'other'}' holds 'notes.txt', which no tool of this "
+             "project writes: nothing is written there; choose an empty folder, or one of this "
+             "project's")):
+        with pytest.raises(SystemExit) as stop:
+            bench.parse_args(["--gpu-report", *args])
+        assert stop.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+    bench.parse_args(["--gpu-report", str(report), "--smoke", "--overwrite"])
+    bench.parse_args(["--gpu-report", str(tmp_path / "new"), "--smoke"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--overwrite"])
+    assert capsys.readouterr().err == "error: --overwrite: only with --gpu-report OUT\n"
+    assert (report / "gpu-report.md").read_text() == "a real GPU's report"
+
+
+def test_diagnose_keeps_its_earlier_results_unless_overwrite(tmp_path, tiny, monkeypatch):
+    """Case 5: diagnose.py replaced its earlier diagnose.jsonl without a word. Now the rule of
+    train.py's --out: refused in one line unless --overwrite, and a folder of someone else's files
+    is refused; by default the checkpoint's run folder takes them."""
+    import diagnose
+    monkeypatch.setattr(diagnose, "value_accuracy",
+                        lambda a, tok, policy, sampling, problems, out:
+                        open(os.path.join(out, "diagnose.jsonl"), "w").write("new\n"))
+    run = tmp_path / "run"
+    earlier_run(run, tiny)
+    (run / "diagnose.jsonl").write_text("earlier\n")
+    (tmp_path / "notes.txt").write_text("mine")
+    args = ["--checkpoint", str(run / "checkpoint"), "--trajectories", "1"]
+    with pytest.raises(DataError) as refused:
+        diagnose.main(args)
+    assert str(refused.value) == (f"--out '{run}' holds an earlier diagnose.py's results "
+                                  "(diagnose.jsonl): pass --overwrite to replace it")
+    with pytest.raises(DataError, match=f"^--out '{tmp_path}' holds 'notes.txt', which no tool"):
+        diagnose.main([*args, "--out", str(tmp_path), "--overwrite"])
+    assert (run / "diagnose.jsonl").read_text() == "earlier\n"
+    diagnose.main([*args, "--overwrite"])
+    assert (run / "diagnose.jsonl").read_text() == "new\n"

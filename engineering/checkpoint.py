@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 import value
-from engineering import parallel
+from engineering import outputs, parallel
 from engineering.models import without_dropout
 from engineering.tasks import DataError, first_line
 
@@ -27,10 +27,6 @@ RESUME_MUST_MATCH = ("model", "data", "eval_data", "eval_problems", "max_prompt_
                      "value_head", "fsdp", "seed", "arith_steps", "arith_slip", "arith_traps",
                      "sft_steps", "sft_lr", "sft_batch", "prompt_template", "chat", "system",
                      "answer") + RATES
-RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
-# what else a run writes in --out (or a kill leaves there): --overwrite removes these too
-LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "metrics.jsonl.tmp",
-             "samples.jsonl.tmp", "config.json", "config.json.tmp")
 
 
 def record_settings(cfg):
@@ -72,8 +68,9 @@ def recorded_settings(out: str) -> dict:
             settings = json.load(f)
     except (OSError, ValueError) as e:
         raise start_again(f"{path} cannot be read ({first_line(e)})") from None
-    if not isinstance(settings, dict) or not isinstance(settings.get("iterations"), int):
-        raise start_again(f"{path} is not a run's settings (no --iterations)")
+    if not outputs.is_run_settings(settings):
+        raise start_again(f"{path} is not a run's settings (train.py's --iterations, --algo, "
+                          "--out)")
     return settings
 
 
