@@ -225,24 +225,6 @@ def rl_flags(args, chains: str, seed: int, flags: list[str]) -> list[str]:
 OWNED = ("--out", "--seed", "--algo", "--overwrite", "--resume")
 
 
-def refuse(message: str):
-    """An argparse error as an exception, for a parser that must not exit."""
-    raise ValueError(message)
-
-
-def given_flags(words: list[str]) -> list[str]:
-    """The train.py flags that `words` give, as argparse reads them.
-    So an abbreviation (--se 5) or --seed=5 counts as --seed.
-    """
-    p = settings.command_line(train.Config, train.PRESETS, train.__doc__, add_help=False)
-    p.error = refuse  # a malformed line: train.py's own check says why
-    try:
-        known, _ = p.parse_known_args(settings.join_negative_numbers(words))
-    except ValueError:
-        return []
-    return ["--" + k.replace("_", "-") for k, v in vars(known).items() if v is not None]
-
-
 def train_refusal(argv: list[str]) -> str:
     """Why train.py would refuse this command line at once ('' if it would not).
     Its own parse_args decides; what it prints is kept, not shown.
@@ -279,7 +261,7 @@ def variant(text: str, methods: dict, error) -> tuple[str, list[str]]:
         words = shlex.split(flags)
     except ValueError as e:  # "No closing quotation"
         error(f"--variant {text!r}: FLAGS, split as a shell does: {e}")
-    owned = [flag for flag in given_flags(words) if flag in OWNED]
+    owned = [flag for flag in settings.given_flags(train.Config, words) if flag in OWNED]
     if owned:
         error(f"--variant {text!r}: {', '.join(owned)}: compare.py's own; it gives every run "
               "its --out, --seed, --algo (NAME's) and --overwrite")

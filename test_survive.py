@@ -1034,6 +1034,22 @@ def test_gpu_report_keeps_an_earlier_report_unless_overwrite(tmp_path, capsys):
     assert (report / "gpu-report.md").read_text() == "a real GPU's report"
 
 
+@pytest.mark.parametrize("train_args, owned", [
+    ("--lr 1e-4 --out RUN --overwrite", "--out, --overwrite"),
+    ("--lr 1e-4 --ou=RUN", "--out"),  # argparse's abbreviation
+    ("--resume --algo ppo", "--algo, --resume")])
+def test_bench_train_args_may_not_give_what_bench_gives(capsys, train_args, owned):
+    """Case 3: --train-args '... --out RUN --overwrite' trained into another run and replaced it.
+    Refused as compare.py --variant refuses them (settings.given_flags, shared)."""
+    import bench
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(["--only", "memory", "--train-args", train_args])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == (f"error: --train-args {train_args!r}: {owned}: "
+                                            "bench.py's own; it gives each run of the memory "
+                                            "measurement its --algo and a temporary --out\n"), err
+
+
 def test_diagnose_keeps_its_earlier_results_unless_overwrite(tmp_path, tiny, monkeypatch):
     """Case 5: diagnose.py replaced its earlier diagnose.jsonl without a word. Now the rule of
     train.py's --out: refused in one line unless --overwrite, and a folder of someone else's files

@@ -2,8 +2,8 @@
 
 A setting is a Config field made by arg() with a rule: (a test, the words for what it expects);
 --help shows the words, parse_args runs the test. Also the settings that cannot go together,
-those a run ignores, and the one-line refusal. Needs no sibling. All engineering: a first reading
-may skip this file."""
+those a run ignores, the flags a command line gives, and the one-line refusal. Needs no sibling.
+All engineering: a first reading may skip this file."""
 import argparse
 import dataclasses
 import re
@@ -168,3 +168,21 @@ def warn_ignored(cfg, given: dict):
         if name in given:
             print(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)}: ignored ({why})",
                   file=sys.stderr)
+
+
+def given_flags(config, words: list[str]) -> list[str]:
+    """The flags of `config`'s command line that `words` give, as argparse reads them.
+    So an abbreviation (--se 5) or --seed=5 counts as --seed; a malformed line gives none (the
+    command's own check says why)."""
+    p = command_line(config, (), "", add_help=False)
+    p.error = malformed
+    try:
+        known, _ = p.parse_known_args(join_negative_numbers(words))
+    except ValueError:
+        return []
+    return ["--" + k.replace("_", "-") for k, v in vars(known).items() if v is not None]
+
+
+def malformed(message: str):
+    """An argparse error as an exception, for a parser that must not exit."""
+    raise ValueError(message)
