@@ -1050,6 +1050,72 @@ def test_bench_train_args_may_not_give_what_bench_gives(capsys, train_args, owne
                                             "measurement its --algo and a temporary --out\n"), err
 
 
+def finished_run(compare, out: str, flags: list[str], seconds: float = 0.0):
+    """What compare.run leaves of a finished run: its config.json (as train.py records it) and the
+    mark."""
+    os.makedirs(out)
+    cfg = train.parse_args(compare.train_argv(out, *flags))
+    cfg.precision = models.default_precision(torch.device("cuda" if torch.cuda.is_available()
+                                                          else "cpu"))
+    checkpoint.record_settings(cfg)
+    with open(os.path.join(out, "finished"), "w") as f:
+        json.dump({"seconds": seconds}, f)
+
+
+def test_compare_reuses_a_finished_run_only_with_the_same_settings(monkeypatch, capsys, tmp_path):
+    """Case 4: compare.py reused finished runs made with another --iterations or --slip, and
+    reported them under the new settings. Now a run is reused only when its config.json is what
+    would run; otherwise one line naming the setting, before any run, or --overwrite reruns it."""
+    import compare
+    argv = ["--out", str(tmp_path), "--chains", "6-8", "--seeds", "0", "--algos", "grpo",
+            "--jobs", "1", "--iterations", "3"]
+    args = compare.parse_args(argv)[0]
+    sft = os.path.join(str(tmp_path), "chains6-8", "sft")
+    rl = os.path.join(str(tmp_path), "chains6-8", "grpo-seed0")
+    finished_run(compare, sft, ["--iterations", "0",
+                                *compare.as_flags(compare.task_settings(args, "6-8"))])
+    finished_run(compare, rl, compare.rl_flags(args, "6-8", 0, ["--algo", "grpo"]))
+    started = []
+
+    class Run:  # a train.py that ends well at once
+        returncode = 0
+
+        def __init__(self, command, **kwargs):
+            started.append(command[command.index("--out") + 1])
+
+        def poll(self):
+            return 0
+
+    class Reported(Exception):
+        pass
+
+    def curve(out, metric):
+        raise Reported
+    monkeypatch.setattr(compare.subprocess, "Popen", Run)
+    monkeypatch.setattr(compare, "curve", curve)
+    capsys.readouterr()
+    for more, message in ((["--iterations", "2"], f"{rl} holds a finished run of other settings "
+                                                  "(--iterations 3, not 2)"),
+                          (["--slip", "0.5"], f"{sft} holds a finished run of other settings "
+                                              "(--arith-slip 0.7, not 0.5)")):
+        monkeypatch.setattr(sys, "argv", ["compare.py", *argv, *more])
+        with pytest.raises(SystemExit) as stop:
+            compare.main()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err == (f"error: {message}: pass --overwrite to run it "
+                                                "again, or choose another --out\n"), err
+    monkeypatch.setattr(sys, "argv", ["compare.py", *argv])
+    with pytest.raises(Reported):  # the same settings: both reused
+        compare.main()
+    assert started == []
+    monkeypatch.setattr(sys, "argv", ["compare.py", *argv, "--iterations", "2", "--overwrite"])
+    with pytest.raises(Reported):
+        compare.main()
+    assert started == [rl]
+    assert json.load(open(os.path.join(rl, "finished"))) == {"seconds": 0.0}
+    capsys.readouterr()
+
+
 def test_diagnose_keeps_its_earlier_results_unless_overwrite(tmp_path, tiny, monkeypatch):
     """Case 5: diagnose.py replaced its earlier diagnose.jsonl without a word. Now the rule of
     train.py's --out: refused in one line unless --overwrite, and a folder of someone else's files
