@@ -1,7 +1,7 @@
 """Tests: no run loses, mixes or silently truncates results, and no input that passed the checks
 ends in a traceback: the --out lock, a checkpoint rotation killed at every step, --overwrite,
-interrupts, failed writes, the shape of what --resume reads, the folders the tools may write
-into, the SFT length cap and non-finite guard, and fast offline failures."""
+interrupts, failed writes, the shape of what --resume reads and what it may change, the folders
+the tools may write into, the SFT length cap and non-finite guard, and fast offline failures."""
 import fcntl
 import json
 import os
@@ -287,8 +287,9 @@ def test_resume_checks_the_runs_settings_file(tmp_path, settings, message):
         checkpoint.find_resume(resume)
     checkpoint.record_settings(train.parse_args(["--out", str(tmp_path), "--iterations", "2",
                                                  "--seed", "1"]))
-    with pytest.raises(DataError,
-                       match=rf"^--resume: {tmp_path} was written with --seed 1, not 0$"):
+    with pytest.raises(DataError, match=rf"^--resume: {tmp_path} was written with --seed 1, not 0; "
+                                        r"each iteration's problems are drawn with --seed \+ "
+                                        "iteration$"):
         checkpoint.find_resume(resume)
     # every setting, not only those changed
     written = json.loads((tmp_path / "config.json").read_text())
@@ -506,11 +507,12 @@ def test_resume_with_other_evaluation_or_training_problems_is_refused(tmp_path, 
                                                                     "--resume", "--data", str(data),
                                                                     *args]))
     assert resume()[1]["iteration"] == 1
+    other = "; the run would train or evaluate on other problems or prompts than its rows so far$"
     with pytest.raises(DataError, match=r"^--resume: .* was written with --eval-data '', "
-                                        r"not '.*other.jsonl'$"):
+                                        r"not '.*other.jsonl'" + other):
         resume("--eval-data", str(tmp_path / "other.jsonl"))
     with pytest.raises(DataError,
-                       match=r"^--resume: .* was written with --eval-problems 400, not 5$"):
+                       match=r"^--resume: .* was written with --eval-problems 400, not 5" + other):
         resume("--eval-problems", "5")
     data.write_text(data.read_text() + json.dumps({"question": "new", "answer": "#### 1"}) + "\n")
     with pytest.raises(DataError, match=rf"^--resume: --data {data} has changed since .* was "
@@ -832,8 +834,8 @@ def test_resume_with_another_rate_or_warmup_is_refused(tmp_path, tiny, flag, val
     """A changed rate is refused, naming the rate the restored optimizers and schedules keep.
 
     It used to go on with the old rate while config.json recorded the new one."""
-    earlier_run(tmp_path, tiny)
-    args = ["--out", str(tmp_path), "--resume"]
+    earlier_run(tmp_path, tiny, 1, "--algo", "ppo")
+    args = ["--out", str(tmp_path), "--resume", "--algo", "ppo"]
     assert checkpoint.find_resume(train.parse_args([*args, flag, written]))[1]["iteration"] == 1
     with pytest.raises(DataError) as refused:
         checkpoint.find_resume(train.parse_args([*args, flag, value]))
@@ -1138,3 +1140,81 @@ def test_diagnose_keeps_its_earlier_results_unless_overwrite(tmp_path, tiny, mon
     assert (run / "diagnose.jsonl").read_text() == "earlier\n"
     diagnose.main([*args, "--overwrite"])
     assert (run / "diagnose.jsonl").read_text() == "new\n"
+
+
+def test_resume_records_a_changed_setting_from_the_iteration_it_takes_effect(tmp_path, tiny,
+                                                                            capsys):
+    """Case 10: a changed --mc-rollouts, --max-new-tokens, --temperature or --kl-coef was taken
+    without a word and config.json rewritten as if the whole run had used it. Now said at start
+    and kept as history; a value recorded after the checkpoint (a resume killed before its next
+    one) is dropped, as its rows are."""
+    earlier_run(tmp_path, tiny)  # the demo's: K 4, T 0.6, beta 0.001, 64 tokens; checkpoint at 1
+    tok = tiny[0]
+    changed = ["--mc-rollouts", "8", "--temperature", "0.7", "--kl-coef", "0.01",
+               "--max-new-tokens", "32"]
+    cfg = train.parse_args(["--out", str(tmp_path), "--resume", "--iterations", "3", *changed])
+    state = checkpoint.find_resume(cfg)[1]
+    capsys.readouterr()
+    start.begin_writing(cfg, state, {}, None, tok)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "--resume: from iteration 2 on, --mc-rollouts 8 (4 before), --kl-coef 0.01 (0.001 "
+        "before), --temperature 0.7 (0.6 before), --max-new-tokens 32 (64 before); "
+        f"{tmp_path}/config.json keeps each one's history")
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert (written["mc_rollouts"], written["history"]["mc_rollouts"]) == (
+        8, [{"from_iteration": 0, "value": 4}, {"from_iteration": 2, "value": 8}])
+    assert set(written["history"]) == {"mc_rollouts", "temperature", "kl_coef", "max_new_tokens"}
+    # killed before its next checkpoint, resumed from iteration 1 again with K 4: K's 8 is gone
+    again = train.parse_args(["--out", str(tmp_path), "--resume", "--iterations", "3",
+                              *changed[2:]])
+    start.begin_writing(again, checkpoint.find_resume(again)[1], {}, None, tok)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["mc_rollouts"] == 4 and "mc_rollouts" not in written["history"]
+    assert written["history"]["temperature"][-1] == {"from_iteration": 2, "value": 0.7}
+
+
+@pytest.mark.parametrize("run, flags, message", [
+    ([], ["--seed", "1"], "--seed 0, not 1; each iteration's problems are drawn with --seed + "
+                          "iteration"),
+    ([], ["--algo", "grpo"], "--algo 'vineppo', not 'grpo'; the checkpoint holds that "
+                             "method's learners (a critic and its head, or none)"),
+    ([], ["--sft-lr", "0.5"], "--sft-lr 0.001, not 0.5; the policy and its KL reference were "
+                              "made from it"),
+    (["--algo", "ppo"], ["--critic-warmup", "1"], "--critic-warmup 0, not 1; the policy's LR "
+                                                  "schedule was built to begin after it"),
+    ([], ["--critic-lr", "0.5"], None),  # vineppo has no critic
+    (["--sft-steps", "0"], ["--sft-lr", "0.5", "--sft-batch", "3"], None),  # no SFT
+    ([], ["--mc-rollouts", "8", "--top-p", "1.0"], None),
+])
+def test_resume_refuses_a_setting_only_with_why_and_never_one_the_run_does_not_use(
+        tmp_path, tiny, run, flags, message):
+    """Case 10: --critic-lr was refused for vineppo, which has no critic; a refusal did not say
+    why. Each setting a resumed run cannot change is refused with why; one it does not read never
+    is."""
+    earlier_run(tmp_path, tiny, 1, *run)
+    cfg = train.parse_args(["--out", str(tmp_path), "--resume", *run, *flags])
+    if message is None:
+        assert checkpoint.find_resume(cfg)[1]["iteration"] == 1
+        return
+    with pytest.raises(DataError) as refused:
+        checkpoint.find_resume(cfg)
+    assert str(refused.value) == f"--resume: {tmp_path} was written with {message}"
+
+
+def test_resume_refuses_another_number_of_optimizer_steps_an_iteration(tmp_path, tiny):
+    """Case 10: --epochs, --minibatch, --prompts-per-iter and --samples-per-prompt size the LR
+    schedules the checkpoint restores. Another number of steps an iteration is refused (once
+    --prompts-per-iter fits the data); the same number is allowed."""
+    earlier_run(tmp_path, tiny, 1, "--sft-steps", "0")  # 2 epochs x 32 x 8 / 64: 8 steps
+    (tmp_path / "tiny-init").mkdir()
+    tiny[1].save_pretrained(tmp_path / "tiny-init")
+    tiny[0].save_pretrained(tmp_path / "tiny-init")
+    resume = ["--out", str(tmp_path), "--resume", "--sft-steps", "0"]
+    with pytest.raises(DataError) as refused:
+        start_in_process(*resume, "--epochs", "3")
+    assert str(refused.value) == (f"--resume: {tmp_path} was written with 8 optimizer steps an "
+                                  "iteration, not 12 (--epochs x --prompts-per-iter x "
+                                  "--samples-per-prompt / --minibatch, rounded up); its LR "
+                                  "schedules count them")
+    for same in (["--minibatch", "60"], ["--prompts-per-iter", "16", "--samples-per-prompt", "16"]):
+        checkpoint.check_schedule(train.parse_args([*resume, *same]), 8)

@@ -6,7 +6,6 @@ All engineering, skipped on a first reading; a run's life, step by step, and whi
 does each: docs/runs-that-survive.md."""
 import copy
 import fcntl
-import math
 import os
 import random
 import shutil
@@ -21,7 +20,7 @@ from tqdm import tqdm
 
 import ppo
 import value
-from engineering import checkpoint, models, outputs, parallel, prompts, sft, tasks
+from engineering import checkpoint, models, outputs, parallel, prompts, settings, sft, tasks
 from engineering.tasks import DataError, first_line
 
 # so DDP and FSDP take it
@@ -126,8 +125,9 @@ def load_run(cfg, device, autocast):
             raise checkpoint.start_again(f"{resume_from} has no critic/")
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
             critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
-    steps_per_iteration = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt
-                                                 / cfg.minibatch)
+    steps_per_iteration = settings.steps_per_iteration(vars(cfg))
+    if state is not None:  # the restored LR schedules count them
+        checkpoint.check_schedule(cfg, steps_per_iteration)
     total = cfg.iterations * steps_per_iteration
     # the policy does not step during --critic-warmup:
     # its schedule spans the iterations after it, down to 0
@@ -156,7 +156,7 @@ def begin_writing(cfg, state, rows: dict, sft_reference, tok):
             checkpoint.save_checkpoint(cfg.out, sft_reference, tok, name="reference")
         # a run that trains records what it runs with
         if state is None or state["iteration"] < cfg.iterations:
-            checkpoint.record_settings(cfg)
+            checkpoint.record_settings(cfg, None if state is None else state["iteration"])
         checkpoint.write_rows(rows)
     parallel.barrier()
 
