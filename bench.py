@@ -66,7 +66,7 @@ import math_grader
 import reward
 import rollout
 import vine
-from engineering import parallel, tasks
+from engineering import outputs, parallel, settings, tasks
 from engineering.prompts import encode_prompt
 from engineering.sft import sft_example, sft_target
 from engineering.tasks import DataError, first_line
@@ -157,7 +157,10 @@ INTS = [("layers", 8), ("hidden", 512), ("heads", 8), ("kv-heads", 8), ("interme
         ("vocab", 32000), ("trajectories", 8), ("traj-len", 600), ("states", 6), ("k", 4),
         ("new-tokens", 16), ("repeats", 3), ("max-batch-tokens", 32768), ("seed", 0),
         ("threads", 0)]  # threads: CPU threads for torch, 0 = torch's
-REPORT_OPTIONS = {"--gpu-report", "--smoke", "--device", "--threads"}  # what --gpu-report takes
+# what --gpu-report takes
+REPORT_OPTIONS = {"--gpu-report", "--smoke", "--overwrite", "--device", "--threads"}
+# bench.py gives each run of the memory measurement these: --train-args may not
+OWNED = ("--out", "--overwrite", "--resume", "--algo")
 
 
 def parse_args(argv=None):
@@ -173,9 +176,12 @@ def parse_args(argv=None):
     p.add_argument("--memory-model", default="tiny",
                    help="train.py --model for the memory measurement")
     p.add_argument("--train-args", default="--sft-steps 100 --eval-problems 16 --eval-samples 1",
-                   help="further train.py options for the memory measurement")
+                   help="further train.py options for the memory measurement "
+                        "(--out, --overwrite, --resume and --algo are bench.py's)")
     p.add_argument("--gpu-report", metavar="OUT",
-                   help="write OUT/gpu-report.json and .md (the GPU report)")
+                   help="write OUT/gpu-report.json and .md (the GPU report) into an empty OUT")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --gpu-report: replace an earlier report in OUT")
     p.add_argument("--smoke", action="store_true",
                    help="with --gpu-report: a tiny shape, any device, < 1 minute")
     p.add_argument("--count-mc-tokens", metavar="DATA",
@@ -219,8 +225,19 @@ def check_args(a, error, given: set):
                   "--smoke runs the same code at a tiny shape here")
         if os.path.exists(a.gpu_report) and not os.path.isdir(a.gpu_report):
             error(f"--gpu-report {a.gpu_report!r}: a file, expected a folder")
-    elif a.smoke:
-        error("--smoke: only with --gpu-report OUT")
+        try:
+            outputs.claim(a.gpu_report, "--gpu-report", outputs.REPORT, a.overwrite,
+                          "an earlier report")
+        except DataError as e:
+            error(str(e))
+    elif a.smoke or a.overwrite:
+        error(f"{'--smoke' if a.smoke else '--overwrite'}: only with --gpu-report OUT")
+    import train  # its settings, which --train-args gives
+    owned = [flag for flag in settings.given_flags(train.Config, a.train_args.split())
+             if flag in OWNED]
+    if owned:
+        error(f"--train-args {a.train_args!r}: {', '.join(owned)}: bench.py's own; it gives each "
+              "run of the memory measurement its --algo and a temporary --out")
     model = a.memory_model
     if (a.only != "speed" and model.startswith((".", "/", "~"))  # not a hub id
             and not os.path.isdir(model)):

@@ -7,7 +7,9 @@
 For each chain length (`--arith-steps` of the built-in task, with `--arith-traps`): one SFT start
 (`train.py --iterations 0`), then every method and seed from that checkpoint with the demo's
 settings, so the methods differ only in how they assign credit; the chain lengths run side by
-side, one process and one torch thread each (--jobs). Finished runs in --out are reused. Prints,
+side, one process and one torch thread each (--jobs). A finished run in --out is reused when
+its config.json is what would run now; one of other settings is refused (--overwrite reruns it).
+Prints,
 per chain length, method and accuracy (at T = 0.35 and greedy): held-out accuracy at the start
 and at the end (mean and standard error over seeds), training seconds, and the accuracy each
 method had reached when the fastest one finished (equal wall-clock); then VinePPO's lead over
@@ -29,19 +31,25 @@ import subprocess
 import sys
 import time
 
+import torch
+
 import ppo
 import train
-from engineering import settings
+from engineering import checkpoint, models, outputs, settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run(out: str, *args, seconds: float = 0.0):
-    """Run train.py to completion, unless `out` holds a finished run (its `finished` file).
+    """Run train.py to completion, unless `out` holds a finished run of the same settings
+    (its `finished` mark; one of other settings is run again: --overwrite, check_reuse).
     With `seconds`, stop it (SIGTERM) once its logged training seconds reach them
     (--eval-every 1: that row is evaluated)."""
-    if os.path.exists(os.path.join(out, "finished")):
-        return
+    mark = os.path.join(out, outputs.FINISHED)
+    if os.path.exists(mark):
+        if not difference(out, args, seconds):
+            return
+        os.remove(mark)  # not finished until it has run again
     # leftovers of an unfinished run are replaced
     train_py = os.path.join(HERE, "train.py")
     child = subprocess.Popen([sys.executable, train_py, *train_argv(out, *args)])
@@ -57,7 +65,56 @@ def run(out: str, *args, seconds: float = 0.0):
     if not os.path.isdir(out):  # train.py ended well but wrote no run: nothing to mark finished
         sys.exit(print(f"error: train.py ended without writing its run to {out!r}",
                        file=sys.stderr) or 1)
-    open(os.path.join(out, "finished"), "w").close()
+    with open(mark, "w") as f:
+        json.dump({"seconds": seconds}, f)
+
+
+def difference(out: str, args, seconds: float) -> str:
+    """How the finished run in `out` differs from train.py `args` run for `seconds` now ('' if
+    it does not): the first setting its config.json, or its mark (--seconds), records otherwise."""
+    written = outputs.run_settings(out)
+    if written is None:
+        return "no config.json of a run's settings"
+    if "history" in written:
+        return "settings changed on --resume (its config.json's history)"
+    with contextlib.redirect_stderr(io.StringIO()):  # what the run ignores: said by the run
+        cfg = train.parse_args(train_argv(out, *args))
+    auto = "cuda" if torch.cuda.is_available() else "cpu"  # as train.py resolves them
+    device = torch.device(auto if cfg.device == "auto" else cfg.device)
+    now = {**vars(cfg), "data_files": checkpoint.data_files(cfg), "seconds": seconds,
+           "precision": cfg.precision or models.default_precision(device)}
+    try:
+        with open(os.path.join(out, outputs.FINISHED)) as f:
+            written["seconds"] = json.load(f)["seconds"]
+    except (ValueError, TypeError, KeyError):
+        return "a finished mark of an older compare.py, without its --seconds"
+    for key in sorted(set(now) | set(written)):
+        if key not in ("out", "overwrite", "resume") and written.get(key) != now.get(key):
+            return f"--{key.replace('_', '-')} {written.get(key)!r}, not {now.get(key)!r}"
+    return ""
+
+
+def check_reuse(runs: list, overwrite: bool):
+    """Every finished run in `runs` ((out, train.py flags, seconds)) has the settings it would
+    be run with now, or --overwrite runs it again; else one line and exit 2, before any run."""
+    for out, args, seconds in runs:
+        differs = os.path.exists(os.path.join(out, outputs.FINISHED)) and difference(out, args,
+                                                                                     seconds)
+        if differs and not overwrite:
+            sys.exit(print(f"error: {out} holds a finished run of other settings ({differs}): "
+                           "pass --overwrite to run it again, or choose another --out",
+                           file=sys.stderr) or 2)
+
+
+def planned(args, chains: str, seeds: list[int], methods: dict) -> list[tuple]:
+    """A chain length's runs, in order: (method or '' for its SFT start, out, train.py flags,
+    seconds). Methods interleaved, so a machine's changing load touches all of them alike."""
+    base = os.path.join(args.out, f"chains{chains}")
+    sft = ("", os.path.join(base, "sft"),
+           ["--iterations", "0", *as_flags(task_settings(args, chains))], 0.0)  # the demo's SFT
+    return [sft] + [(name, os.path.join(base, f"{name}-seed{seed}"),
+                     rl_flags(args, chains, seed, flags), args.seconds)
+                    for seed in seeds for name, flags in methods.items()]
 
 
 def train_argv(out: str, *args) -> list[str]:
@@ -225,24 +282,6 @@ def rl_flags(args, chains: str, seed: int, flags: list[str]) -> list[str]:
 OWNED = ("--out", "--seed", "--algo", "--overwrite", "--resume")
 
 
-def refuse(message: str):
-    """An argparse error as an exception, for a parser that must not exit."""
-    raise ValueError(message)
-
-
-def given_flags(words: list[str]) -> list[str]:
-    """The train.py flags that `words` give, as argparse reads them.
-    So an abbreviation (--se 5) or --seed=5 counts as --seed.
-    """
-    p = settings.command_line(train.Config, train.PRESETS, train.__doc__, add_help=False)
-    p.error = refuse  # a malformed line: train.py's own check says why
-    try:
-        known, _ = p.parse_known_args(settings.join_negative_numbers(words))
-    except ValueError:
-        return []
-    return ["--" + k.replace("_", "-") for k, v in vars(known).items() if v is not None]
-
-
 def train_refusal(argv: list[str]) -> str:
     """Why train.py would refuse this command line at once ('' if it would not).
     Its own parse_args decides; what it prints is kept, not shown.
@@ -279,20 +318,21 @@ def variant(text: str, methods: dict, error) -> tuple[str, list[str]]:
         words = shlex.split(flags)
     except ValueError as e:  # "No closing quotation"
         error(f"--variant {text!r}: FLAGS, split as a shell does: {e}")
-    owned = [flag for flag in given_flags(words) if flag in OWNED]
+    owned = [flag for flag in settings.given_flags(train.Config, words) if flag in OWNED]
     if owned:
         error(f"--variant {text!r}: {', '.join(owned)}: compare.py's own; it gives every run "
               "its --out, --seed, --algo (NAME's) and --overwrite")
     return name, ["--algo", algo, *words]
 
 
-def parse_args(argv=None):
-    """(args, seeds, chain lengths, {method: its train.py flags}), each checked: one line and
-    exit 2 if not."""
+def command_line() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="compare",
-                   help="directory for all runs (finished runs are reused)")
+                   help="directory for all runs (a finished run is reused when its settings are "
+                        "those of this command)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="run again a finished run of other settings (else refused)")
     p.add_argument("--chains", default="6-8,10-12", help="comma-separated --arith-steps settings")
     p.add_argument("--traps", default="0-2", help="--arith-traps of every run ('': the plain task)")
     p.add_argument("--slip", type=float, default=0.7, help="--arith-slip of the SFT demonstrations")
@@ -314,6 +354,13 @@ def parse_args(argv=None):
                    help="held-out problems per evaluation")
     p.add_argument("--jobs", type=int, default=2,
                    help="chain lengths run side by side, one torch thread each")
+    return p
+
+
+def parse_args(argv=None):
+    """(args, seeds, chain lengths, {method: its train.py flags}), each checked: one line and
+    exit 2 if not."""
+    p = command_line()
     # one line, no usage
     p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)
     args = p.parse_args(argv)
@@ -357,6 +404,8 @@ def parse_args(argv=None):
 
 def main():
     args, seeds, chain_lengths, methods = parse_args()
+    plans = {chains: planned(args, chains, seeds, methods) for chains in chain_lengths}
+    check_reuse([plan[1:] for runs in plans.values() for plan in runs], args.overwrite)
     # one process per chain length; then report from their runs
     if args.jobs > 1 and len(chain_lengths) > 1:
         os.makedirs(args.out, exist_ok=True)
@@ -372,15 +421,10 @@ def main():
 
     curves = {metric: {} for metric in METRICS}
     for chains in chain_lengths:
-        base = os.path.join(args.out, f"chains{chains}")
-        task = as_flags(task_settings(args, chains))
-        run(os.path.join(base, "sft"), "--iterations", "0", *task)  # the demo's SFT, once
         runs = {name: [] for name in methods}
-        # methods interleaved, so a machine's changing load touches all of them alike
-        for seed in seeds:
-            for name, flags in methods.items():
-                out = os.path.join(base, f"{name}-seed{seed}")
-                run(out, *rl_flags(args, chains, seed, flags), seconds=args.seconds)
+        for name, out, flags, seconds in plans[chains]:
+            run(out, *flags, seconds=seconds)
+            if name:  # not the SFT start
                 runs[name].append(out)
         for metric in METRICS:
             curves[metric][chains] = {algo: [curve(out, metric) for out in outs]

@@ -54,7 +54,7 @@ import train
 import value
 import vine
 import vine_cheaper
-from engineering import settings
+from engineering import outputs, settings
 from engineering.checkpoint import load_critic
 from engineering.models import load_model
 from engineering.prompts import encode_prompt
@@ -181,7 +181,10 @@ def parse_args(argv=None):
     p.add_argument("--arith-traps", default="", type=rule(*train.TRAPS),
                    help="arith only: traps per chain, MIN-MAX, as in training")
     p.add_argument("--out", default=None,
-                   help="where the outputs go (default: the checkpoint's parent)")
+                   help="where the outputs go (default: the checkpoint's parent); empty, or "
+                        "holding only this project's files")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace this mode's outputs of an earlier diagnose.py in --out")
     p.add_argument("--trajectories", type=count(1), default=32,
                    help="held-out trajectories, one per problem (at most the held-out problems)")
     p.add_argument("--gt-rollouts", type=count(1), default=256,
@@ -236,15 +239,18 @@ def main(argv=None):
     if a.trajectories > len(problems) and not a.trace:
         raise DataError(f"--trajectories {a.trajectories}: the held-out set has "
                         f"{len(problems)} problems")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok, policy = load_model(a.checkpoint, device, flag="--checkpoint")
     out = a.out or os.path.dirname(os.path.abspath(a.checkpoint))
     if os.path.exists(out) and not os.path.isdir(out):
         raise DataError(f"--out {out!r} is a file, not a directory")
+    mode = "trace" if a.trace else "mc_settings" if a.mc_settings else "values"
+    outputs.claim(out, "--out", outputs.DIAGNOSE[mode], a.overwrite,
+                  "an earlier diagnose.py's results")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:  # no permission, a file on the way
         raise DataError(f"--out {out!r}: not writable ({first_line(e)})") from None
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tok, policy = load_model(a.checkpoint, device, flag="--checkpoint")
     sampling = rollout.Sampling(temperature=a.temperature, top_p=a.top_p,
                                 max_new_tokens=a.max_new_tokens, eos_id=tok.eos_token_id,
                                 pad_id=rollout.pad_id(tok), stop=STOP, tokenizer=tok)

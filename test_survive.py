@@ -1,7 +1,7 @@
 """Tests: no run loses, mixes or silently truncates results, and no input that passed the checks
 ends in a traceback: the --out lock, a checkpoint rotation killed at every step, --overwrite,
-interrupts, failed writes, the shape of what --resume reads, the SFT length cap and non-finite
-guard, and fast offline failures."""
+interrupts, failed writes, the shape of what --resume reads and what it may change, the folders
+the tools may write into, the SFT length cap and non-finite guard, and fast offline failures."""
 import fcntl
 import json
 import os
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import test_vine
 import train
-from engineering import checkpoint, models, prompts, sft, start
+from engineering import checkpoint, models, outputs, prompts, sft, start
 from engineering.tasks import DataError
 from test_vine import HERE, OFFLINE, SMALL, numbers, run_train
 
@@ -164,23 +164,26 @@ def test_a_second_run_into_a_locked_out_is_refused_in_one_line(tmp_path):
 
 def test_overwrite_removes_all_of_the_earlier_run_before_writing(tmp_path):
     """Killed right after --overwrite cleared the earlier run, a --resume starts afresh: nothing of
-    the old run (its checkpoint above all) is left to continue from. Files that are not the run's
-    stay. The removal is not prepare_out's: that comes before anything that can refuse the run."""
-    for name in checkpoint.RESULTS + checkpoint.LEFTOVERS:
-        if (name.endswith((".jsonl", ".tmp")) and "checkpoint" not in name
+    the old run (its checkpoint above all) is left to continue from. The other tools' files
+    stay (diagnose.py's). The removal is not prepare_out's: that comes before anything that can
+    refuse the run."""
+    for name in outputs.RESULTS + outputs.LEFTOVERS:
+        if name == "config.json":
+            checkpoint.record_settings(train.parse_args(["--out", str(tmp_path)]))
+        elif (name.endswith((".jsonl", ".tmp")) and "checkpoint" not in name
                 and "reference" not in name):
             (tmp_path / name).write_text('{"iteration": 0}\n')
         else:
             (tmp_path / name).mkdir()
             (tmp_path / name / "trainer_state.pt").write_bytes(b"x")
-    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "diagnose.jsonl").write_text("{}\n")
     with pytest.raises(DataError, match="holds an earlier run"):
         start.prepare_out(train.parse_args(["--out", str(tmp_path)]))
     before = sorted(os.listdir(tmp_path))
     start.prepare_out(train.parse_args(["--out", str(tmp_path), "--overwrite"]))
     assert sorted(os.listdir(tmp_path)) == before  # nothing removed yet
     start.remove_earlier_run(str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == [".lock", "notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "diagnose.jsonl"]
     assert (checkpoint.find_resume(train.parse_args(["--out", str(tmp_path), "--resume"]))
             == (None, None))
     start.held_lock.close()
@@ -269,7 +272,7 @@ def test_a_trainer_state_of_the_wrong_shape_is_refused_in_one_line(tmp_path, sta
 
 @pytest.mark.parametrize("settings, message", [
     (None, "cannot be read"), ("{", "cannot be read"),
-    ('{"model": "tiny"}', "is not a run's settings (no --iterations)"),
+    ('{"model": "tiny"}', "is not a run's settings (train.py's --iterations, --algo, --out)"),
 ])
 def test_resume_checks_the_runs_settings_file(tmp_path, settings, message):
     """OUT/config.json is what --resume compares a continued run with: missing or damaged, one
@@ -284,8 +287,9 @@ def test_resume_checks_the_runs_settings_file(tmp_path, settings, message):
         checkpoint.find_resume(resume)
     checkpoint.record_settings(train.parse_args(["--out", str(tmp_path), "--iterations", "2",
                                                  "--seed", "1"]))
-    with pytest.raises(DataError,
-                       match=rf"^--resume: {tmp_path} was written with --seed 1, not 0$"):
+    with pytest.raises(DataError, match=rf"^--resume: {tmp_path} was written with --seed 1, not 0; "
+                                        r"each iteration's problems are drawn with --seed \+ "
+                                        "iteration$"):
         checkpoint.find_resume(resume)
     # every setting, not only those changed
     written = json.loads((tmp_path / "config.json").read_text())
@@ -503,11 +507,12 @@ def test_resume_with_other_evaluation_or_training_problems_is_refused(tmp_path, 
                                                                     "--resume", "--data", str(data),
                                                                     *args]))
     assert resume()[1]["iteration"] == 1
+    other = "; the run would train or evaluate on other problems or prompts than its rows so far$"
     with pytest.raises(DataError, match=r"^--resume: .* was written with --eval-data '', "
-                                        r"not '.*other.jsonl'$"):
+                                        r"not '.*other.jsonl'" + other):
         resume("--eval-data", str(tmp_path / "other.jsonl"))
     with pytest.raises(DataError,
-                       match=r"^--resume: .* was written with --eval-problems 400, not 5$"):
+                       match=r"^--resume: .* was written with --eval-problems 400, not 5" + other):
         resume("--eval-problems", "5")
     data.write_text(data.read_text() + json.dumps({"question": "new", "answer": "#### 1"}) + "\n")
     with pytest.raises(DataError, match=rf"^--resume: --data {data} has changed since .* was "
@@ -829,8 +834,8 @@ def test_resume_with_another_rate_or_warmup_is_refused(tmp_path, tiny, flag, val
     """A changed rate is refused, naming the rate the restored optimizers and schedules keep.
 
     It used to go on with the old rate while config.json recorded the new one."""
-    earlier_run(tmp_path, tiny)
-    args = ["--out", str(tmp_path), "--resume"]
+    earlier_run(tmp_path, tiny, 1, "--algo", "ppo")
+    args = ["--out", str(tmp_path), "--resume", "--algo", "ppo"]
     assert checkpoint.find_resume(train.parse_args([*args, flag, written]))[1]["iteration"] == 1
     with pytest.raises(DataError) as refused:
         checkpoint.find_resume(train.parse_args([*args, flag, value]))
@@ -967,3 +972,249 @@ def test_compare_marks_finished_only_a_run_that_was_written(monkeypatch, capsys,
     assert stop.value.code == 1 and err == f"error: train.py ended without writing its run " \
                                            f"to {out!r}\n", err
     assert not os.path.exists(out)
+
+
+# ---- issue 52: folders that are not a run's, outputs kept, reuse and resume that say what runs --
+
+
+def test_an_out_holding_files_that_are_not_a_runs_is_refused_naming_one(tmp_path, tiny):
+    """Case 1: a copy of a model as --out had its config.json replaced by the run's, and
+    --overwrite replaced a user's own config.json. Now refused in one line naming a file that is
+    not this project's, with or without --overwrite, nothing written there (no lock either); a
+    run's folder holding other tools' files (diagnose.py's, compare.py's mark) is fine."""
+    tok, model = tiny
+    victim, mine, notes = tmp_path / "victim", tmp_path / "mine", tmp_path / "notes"
+    model.save_pretrained(victim)  # cp -a MODEL victim
+    tok.save_pretrained(victim)
+    mine.mkdir()
+    (mine / "config.json").write_text('{"iterations": 3, "lr": 0.1}\n')
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    before = files(tmp_path)
+    for out, name, what in ((victim, "config.json", "is not a run's settings"),
+                            (mine, "config.json", "is not a run's settings"),
+                            (notes, "notes.txt", "no tool of this project writes")):
+        for flags in ([], ["--overwrite"], ["--resume"]):
+            with pytest.raises(DataError, match=f"^--out '{out}' holds '{name}', which {what}"):
+                start.prepare_out(train.parse_args(["--out", str(out), *flags]))
+    assert files(tmp_path) == before
+    assert not any((folder / ".lock").exists() for folder in (victim, mine, notes))
+    run = tmp_path / "run"
+    earlier_run(run, tiny)
+    for name in ("diagnose.jsonl", "trace.json", outputs.FINISHED, "checkpoint.tmp"):
+        (run / name).write_text("{}")
+    start.prepare_out(train.parse_args(["--out", str(run), "--resume"]))
+    start.held_lock.close()
+
+
+def test_gpu_report_keeps_an_earlier_report_unless_overwrite(tmp_path, capsys):
+    """Case 2: bench.py --gpu-report replaced an earlier gpu-report.md and .json (a real GPU's)
+    without a word. Now refused in one line unless --overwrite, as train.py's --out is; a folder
+    of someone else's files is refused whatever the flags."""
+    import bench
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "gpu-report.md").write_text("a real GPU's report")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    for args, message in (
+            ([str(report), "--smoke"],
+             f"--gpu-report '{report}' holds an earlier report (gpu-report.md): pass "
+             "--overwrite to replace it"),
+            ([str(tmp_path / "other"), "--smoke", "--overwrite"],
+             f"--gpu-report '{tmp_path / 'other'}' holds 'notes.txt', which no tool of this "
+             "project writes: nothing is written there; choose an empty folder, or one of this "
+             "project's")):
+        with pytest.raises(SystemExit) as stop:
+            bench.parse_args(["--gpu-report", *args])
+        assert stop.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+    bench.parse_args(["--gpu-report", str(report), "--smoke", "--overwrite"])
+    bench.parse_args(["--gpu-report", str(tmp_path / "new"), "--smoke"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--overwrite"])
+    assert capsys.readouterr().err == "error: --overwrite: only with --gpu-report OUT\n"
+    assert (report / "gpu-report.md").read_text() == "a real GPU's report"
+
+
+@pytest.mark.parametrize("train_args, owned", [
+    ("--lr 1e-4 --out RUN --overwrite", "--out, --overwrite"),
+    ("--lr 1e-4 --ou=RUN", "--out"),  # argparse's abbreviation
+    ("--resume --algo ppo", "--algo, --resume")])
+def test_bench_train_args_may_not_give_what_bench_gives(capsys, train_args, owned):
+    """Case 3: --train-args '... --out RUN --overwrite' trained into another run and replaced it.
+    Refused as compare.py --variant refuses them (settings.given_flags, shared)."""
+    import bench
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(["--only", "memory", "--train-args", train_args])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == (f"error: --train-args {train_args!r}: {owned}: "
+                                            "bench.py's own; it gives each run of the memory "
+                                            "measurement its --algo and a temporary --out\n"), err
+
+
+def finished_run(compare, out: str, flags: list[str], seconds: float = 0.0):
+    """What compare.run leaves of a finished run: its config.json (as train.py records it) and the
+    mark."""
+    os.makedirs(out)
+    cfg = train.parse_args(compare.train_argv(out, *flags))
+    cfg.precision = models.default_precision(torch.device("cuda" if torch.cuda.is_available()
+                                                          else "cpu"))
+    checkpoint.record_settings(cfg)
+    with open(os.path.join(out, "finished"), "w") as f:
+        json.dump({"seconds": seconds}, f)
+
+
+def test_compare_reuses_a_finished_run_only_with_the_same_settings(monkeypatch, capsys, tmp_path):
+    """Case 4: compare.py reused finished runs made with another --iterations or --slip, and
+    reported them under the new settings. Now a run is reused only when its config.json is what
+    would run; otherwise one line naming the setting, before any run, or --overwrite reruns it."""
+    import compare
+    argv = ["--out", str(tmp_path), "--chains", "6-8", "--seeds", "0", "--algos", "grpo",
+            "--jobs", "1", "--iterations", "3"]
+    args = compare.parse_args(argv)[0]
+    sft = os.path.join(str(tmp_path), "chains6-8", "sft")
+    rl = os.path.join(str(tmp_path), "chains6-8", "grpo-seed0")
+    finished_run(compare, sft, ["--iterations", "0",
+                                *compare.as_flags(compare.task_settings(args, "6-8"))])
+    finished_run(compare, rl, compare.rl_flags(args, "6-8", 0, ["--algo", "grpo"]))
+    started = []
+
+    class Run:  # a train.py that ends well at once
+        returncode = 0
+
+        def __init__(self, command, **kwargs):
+            started.append(command[command.index("--out") + 1])
+
+        def poll(self):
+            return 0
+
+    class Reported(Exception):
+        pass
+
+    def curve(out, metric):
+        raise Reported
+    monkeypatch.setattr(compare.subprocess, "Popen", Run)
+    monkeypatch.setattr(compare, "curve", curve)
+    capsys.readouterr()
+    for more, message in ((["--iterations", "2"], f"{rl} holds a finished run of other settings "
+                                                  "(--iterations 3, not 2)"),
+                          (["--slip", "0.5"], f"{sft} holds a finished run of other settings "
+                                              "(--arith-slip 0.7, not 0.5)")):
+        monkeypatch.setattr(sys, "argv", ["compare.py", *argv, *more])
+        with pytest.raises(SystemExit) as stop:
+            compare.main()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err == (f"error: {message}: pass --overwrite to run it "
+                                                "again, or choose another --out\n"), err
+    monkeypatch.setattr(sys, "argv", ["compare.py", *argv])
+    with pytest.raises(Reported):  # the same settings: both reused
+        compare.main()
+    assert started == []
+    monkeypatch.setattr(sys, "argv", ["compare.py", *argv, "--iterations", "2", "--overwrite"])
+    with pytest.raises(Reported):
+        compare.main()
+    assert started == [rl]
+    assert json.load(open(os.path.join(rl, "finished"))) == {"seconds": 0.0}
+    capsys.readouterr()
+
+
+def test_diagnose_keeps_its_earlier_results_unless_overwrite(tmp_path, tiny, monkeypatch):
+    """Case 5: diagnose.py replaced its earlier diagnose.jsonl without a word. Now the rule of
+    train.py's --out: refused in one line unless --overwrite, and a folder of someone else's files
+    is refused; by default the checkpoint's run folder takes them."""
+    import diagnose
+    monkeypatch.setattr(diagnose, "value_accuracy",
+                        lambda a, tok, policy, sampling, problems, out:
+                        open(os.path.join(out, "diagnose.jsonl"), "w").write("new\n"))
+    run = tmp_path / "run"
+    earlier_run(run, tiny)
+    (run / "diagnose.jsonl").write_text("earlier\n")
+    (tmp_path / "notes.txt").write_text("mine")
+    args = ["--checkpoint", str(run / "checkpoint"), "--trajectories", "1"]
+    with pytest.raises(DataError) as refused:
+        diagnose.main(args)
+    assert str(refused.value) == (f"--out '{run}' holds an earlier diagnose.py's results "
+                                  "(diagnose.jsonl): pass --overwrite to replace it")
+    with pytest.raises(DataError, match=f"^--out '{tmp_path}' holds 'notes.txt', which no tool"):
+        diagnose.main([*args, "--out", str(tmp_path), "--overwrite"])
+    assert (run / "diagnose.jsonl").read_text() == "earlier\n"
+    diagnose.main([*args, "--overwrite"])
+    assert (run / "diagnose.jsonl").read_text() == "new\n"
+
+
+def test_resume_records_a_changed_setting_from_the_iteration_it_takes_effect(tmp_path, tiny,
+                                                                            capsys):
+    """Case 10: a changed --mc-rollouts, --max-new-tokens, --temperature or --kl-coef was taken
+    without a word and config.json rewritten as if the whole run had used it. Now said at start
+    and kept as history; a value recorded after the checkpoint (a resume killed before its next
+    one) is dropped, as its rows are."""
+    earlier_run(tmp_path, tiny)  # the demo's: K 4, T 0.6, beta 0.001, 64 tokens; checkpoint at 1
+    tok = tiny[0]
+    changed = ["--mc-rollouts", "8", "--temperature", "0.7", "--kl-coef", "0.01",
+               "--max-new-tokens", "32"]
+    cfg = train.parse_args(["--out", str(tmp_path), "--resume", "--iterations", "3", *changed])
+    state = checkpoint.find_resume(cfg)[1]
+    capsys.readouterr()
+    start.begin_writing(cfg, state, {}, None, tok)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "--resume: from iteration 2 on, --mc-rollouts 8 (4 before), --kl-coef 0.01 (0.001 "
+        "before), --temperature 0.7 (0.6 before), --max-new-tokens 32 (64 before); "
+        f"{tmp_path}/config.json keeps each one's history")
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert (written["mc_rollouts"], written["history"]["mc_rollouts"]) == (
+        8, [{"from_iteration": 0, "value": 4}, {"from_iteration": 2, "value": 8}])
+    assert set(written["history"]) == {"mc_rollouts", "temperature", "kl_coef", "max_new_tokens"}
+    # killed before its next checkpoint, resumed from iteration 1 again with K 4: K's 8 is gone
+    again = train.parse_args(["--out", str(tmp_path), "--resume", "--iterations", "3",
+                              *changed[2:]])
+    start.begin_writing(again, checkpoint.find_resume(again)[1], {}, None, tok)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["mc_rollouts"] == 4 and "mc_rollouts" not in written["history"]
+    assert written["history"]["temperature"][-1] == {"from_iteration": 2, "value": 0.7}
+
+
+@pytest.mark.parametrize("run, flags, message", [
+    ([], ["--seed", "1"], "--seed 0, not 1; each iteration's problems are drawn with --seed + "
+                          "iteration"),
+    ([], ["--algo", "grpo"], "--algo 'vineppo', not 'grpo'; the checkpoint holds that "
+                             "method's learners (a critic and its head, or none)"),
+    ([], ["--sft-lr", "0.5"], "--sft-lr 0.001, not 0.5; the policy and its KL reference were "
+                              "made from it"),
+    (["--algo", "ppo"], ["--critic-warmup", "1"], "--critic-warmup 0, not 1; the policy's LR "
+                                                  "schedule was built to begin after it"),
+    ([], ["--critic-lr", "0.5"], None),  # vineppo has no critic
+    (["--sft-steps", "0"], ["--sft-lr", "0.5", "--sft-batch", "3"], None),  # no SFT
+    ([], ["--mc-rollouts", "8", "--top-p", "1.0"], None),
+])
+def test_resume_refuses_a_setting_only_with_why_and_never_one_the_run_does_not_use(
+        tmp_path, tiny, run, flags, message):
+    """Case 10: --critic-lr was refused for vineppo, which has no critic; a refusal did not say
+    why. Each setting a resumed run cannot change is refused with why; one it does not read never
+    is."""
+    earlier_run(tmp_path, tiny, 1, *run)
+    cfg = train.parse_args(["--out", str(tmp_path), "--resume", *run, *flags])
+    if message is None:
+        assert checkpoint.find_resume(cfg)[1]["iteration"] == 1
+        return
+    with pytest.raises(DataError) as refused:
+        checkpoint.find_resume(cfg)
+    assert str(refused.value) == f"--resume: {tmp_path} was written with {message}"
+
+
+def test_resume_refuses_another_number_of_optimizer_steps_an_iteration(tmp_path, tiny):
+    """Case 10: --epochs, --minibatch, --prompts-per-iter and --samples-per-prompt size the LR
+    schedules the checkpoint restores. Another number of steps an iteration is refused (once
+    --prompts-per-iter fits the data); the same number is allowed."""
+    earlier_run(tmp_path, tiny, 1, "--sft-steps", "0")  # 2 epochs x 32 x 8 / 64: 8 steps
+    (tmp_path / "tiny-init").mkdir()
+    tiny[1].save_pretrained(tmp_path / "tiny-init")
+    tiny[0].save_pretrained(tmp_path / "tiny-init")
+    resume = ["--out", str(tmp_path), "--resume", "--sft-steps", "0"]
+    with pytest.raises(DataError) as refused:
+        start_in_process(*resume, "--epochs", "3")
+    assert str(refused.value) == (f"--resume: {tmp_path} was written with 8 optimizer steps an "
+                                  "iteration, not 12 (--epochs x --prompts-per-iter x "
+                                  "--samples-per-prompt / --minibatch, rounded up); its LR "
+                                  "schedules count them")
+    for same in (["--minibatch", "60"], ["--prompts-per-iter", "16", "--samples-per-prompt", "16"]):
+        checkpoint.check_schedule(train.parse_args([*resume, *same]), 8)

@@ -101,12 +101,13 @@ def test_trace_command_end_to_end(tiny, tmp_path, capsys):
     critic = value.Critic(policy.base_model, "tracking")
     torch.nn.init.normal_(critic.head.weight, std=0.1)  # not the zero start: values that differ
     checkpoint.save_checkpoint(str(tmp_path), policy, tok, critic=critic, name="tppo")
-    args = ["--trace", "--checkpoint", path, "--out", str(tmp_path), "--trace-k", "2",
+    out = tmp_path / "out"
+    args = ["--trace", "--checkpoint", path, "--out", str(out), "--trace-k", "2",
             "--group", "2", "--tries", "1", "--max-new-tokens", "12"]
     diagnose.main(args + ["--critic-checkpoint", str(tmp_path / "tppo")])
     printed = capsys.readouterr().out
     assert "the tracking critic saved in" in printed and "VinePPO A_i" in printed
-    t = json.load(open(tmp_path / "trace.json"))
+    t = json.load(open(out / "trace.json"))
     steps = t["steps"]
     # random weights: wrong
     assert t["reward"] == 0 and "".join(r["text"] for r in steps) == t["response"]
@@ -118,10 +119,12 @@ def test_trace_command_end_to_end(tiny, tmp_path, capsys):
                                                      abs=1e-5)
     # not the zero-initialised head's
     assert steps[0]["critic_value"] != pytest.approx(0.5, abs=1e-3)
-    diagnose.main(args)  # no critic anywhere: the untrained one, said so
+    with pytest.raises(DataError, match="holds an earlier diagnose.py's results \\(trace.json"):
+        diagnose.main(args)  # its trace.json is kept
+    diagnose.main(args + ["--overwrite"])  # no critic anywhere: the untrained one, said so
     assert "UNTRAINED" in capsys.readouterr().out
     with pytest.raises(DataError, match="no critic/ inside"):
-        diagnose.main(args + ["--critic-checkpoint", path])
+        diagnose.main(args + ["--overwrite", "--critic-checkpoint", path])
 
 
 def test_mc_settings_command_end_to_end(tiny, tmp_path, capsys):

@@ -70,7 +70,8 @@ class Config:
     answer: str = arg("hash", "GSM8K-format data, arith: the answer graded and written by SFT: "
                               "hash (a last '#### N') | boxed (the last \\boxed{N}, "
                               "up to equivalence)", one_of("hash", "boxed"))
-    out: str = arg("out", "output directory: metrics.jsonl, samples.jsonl, checkpoint/")
+    out: str = arg("out", "output directory, empty or a run's: metrics.jsonl, samples.jsonl, "
+                          "checkpoint/")
     algo: str = arg("vineppo", "vineppo | ppo (critic) | tppo (tracking critic) | grpo",
                     one_of(*ppo.ALGOS))
     seed: int = arg(0, "random seed",

@@ -15,40 +15,35 @@ import torch
 from tqdm import tqdm
 
 import value
-from engineering import parallel
+from engineering import outputs, parallel, settings
 from engineering.models import without_dropout
 from engineering.tasks import DataError, first_line
 
-# what the optimizers and LR schedules restored from a checkpoint were built with, and keep
-RATES = ("lr", "critic_lr", "warmup")
-# what a resumed run cannot change: its models, its prompts, what it trains on and is evaluated on
-# (the contents of .jsonl files too: data_files), what the reference was made from, its RATES
-RESUME_MUST_MATCH = ("model", "data", "eval_data", "eval_problems", "max_prompt_tokens", "algo",
-                     "value_head", "fsdp", "seed", "arith_steps", "arith_slip", "arith_traps",
-                     "sft_steps", "sft_lr", "sft_batch", "prompt_template", "chat", "system",
-                     "answer") + RATES
-RESULTS = ("metrics.jsonl", "samples.jsonl", "checkpoint", "checkpoint.old", "reference")
-# what else a run writes in --out (or a kill leaves there): --overwrite removes these too
-LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "metrics.jsonl.tmp",
-             "samples.jsonl.tmp", "config.json", "config.json.tmp")
 
-
-def record_settings(cfg):
+def record_settings(cfg, resumed_at: int | None = None):
     """Every setting to OUT/config.json (atomically; --resume checks against it), and those that
     differ from the defaults (a preset's included) printed as flags, so that a run says what it
-    runs with."""
+    runs with. A run resumed from the checkpoint at iteration `resumed_at` keeps the history of
+    the settings changed since (settings.with_history), and says them."""
     if parallel.rank() != 0:
         return
-    settings, defaults = (dataclasses.asdict(cfg),
-                          {f.name: f.default for f in dataclasses.fields(cfg)})
+    values, defaults = (dataclasses.asdict(cfg),
+                        {f.name: f.default for f in dataclasses.fields(cfg)})
     quoted = lambda v: ((repr(v) if "\n" in v else shlex.quote(v))  # a template
                         if isinstance(v, str) else v)
     flag = lambda k, v: f"--{k.replace('_', '-')}" + ("" if v is True else f" {quoted(v)}")
-    changed = [flag(k, v) for k, v in settings.items() if v != defaults[k] and v is not False]
+    changed = [flag(k, v) for k, v in values.items() if v != defaults[k] and v is not False]
     path = os.path.join(cfg.out, "config.json")
     tqdm.write(f"settings ({path} has all): {' '.join(changed) or 'the defaults'}")
+    record = {**values, "data_files": data_files(cfg)}
+    if resumed_at is not None:
+        record, changes = settings.with_history({**defaults, **recorded_settings(cfg.out)},
+                                                record, resumed_at + 1, settings.unused(cfg))
+        if changes:
+            tqdm.write(f"--resume: from iteration {resumed_at + 1} on, {', '.join(changes)}; "
+                       f"{path} keeps each one's history")
     with open(path + ".tmp", "w") as f:
-        json.dump({**settings, "data_files": data_files(cfg)}, f, indent=1)
+        json.dump(record, f, indent=1)
     os.replace(path + ".tmp", path)
 
 
@@ -72,8 +67,9 @@ def recorded_settings(out: str) -> dict:
             settings = json.load(f)
     except (OSError, ValueError) as e:
         raise start_again(f"{path} cannot be read ({first_line(e)})") from None
-    if not isinstance(settings, dict) or not isinstance(settings.get("iterations"), int):
-        raise start_again(f"{path} is not a run's settings (no --iterations)")
+    if not outputs.is_run_settings(settings):
+        raise start_again(f"{path} is not a run's settings (train.py's --iterations, --algo, "
+                          "--out)")
     return settings
 
 
@@ -160,18 +156,11 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
         raise DataError(f"--resume: {path}/trainer_state.pt cannot be read "
                         f"({first_line(e)})") from None
     check_shape(state, f"{path}/trainer_state.pt")
-    settings = recorded_settings(cfg.out)  # the authority on what the run was started with
-    # a setting newer than the run: its default
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for key in RESUME_MUST_MATCH:
-        written = settings.get(key, defaults[key])
-        if written != getattr(cfg, key):
-            why = ""
-            if key in RATES:
-                why = f"; its optimizers and LR schedules were built with {written!r}"
-            raise DataError(f"--resume: {cfg.out} was written with --{key.replace('_', '-')} "
-                            f"{written!r}, not {getattr(cfg, key)!r}{why}")
-    recorded = settings.get("data_files")  # None: written before the files were recorded, unchecked
+    written = recorded_settings(cfg.out)  # the authority on what the run runs with
+    refused = settings.refused_on_resume(cfg, written)
+    if refused:
+        raise DataError(f"--resume: {cfg.out} was {refused}")
+    recorded = written.get("data_files")  # None: written before the files were recorded, unchecked
     for key, digest in data_files(cfg).items():
         if isinstance(recorded, dict) and recorded.get(key) != digest:
             raise DataError(f"--resume: --{key.replace('_', '-')} {getattr(cfg, key)} has changed "
@@ -180,10 +169,23 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
     if state["iteration"] >= cfg.iterations and parallel.rank() == 0:
         tqdm.write(f"--resume: the checkpoint is at iteration {state['iteration']}, --iterations "
                    f"{cfg.iterations}: nothing to train")
-    elif settings["iterations"] < cfg.iterations and parallel.rank() == 0:
-        tqdm.write(f"--resume: --iterations {cfg.iterations}, not {settings['iterations']}: "
+    elif written["iterations"] < cfg.iterations and parallel.rank() == 0:
+        tqdm.write(f"--resume: --iterations {cfg.iterations}, not {written['iterations']}: "
                    f"the LR schedule is stretched to end at iteration {cfg.iterations}")
     return path, state
+
+
+def check_schedule(cfg, steps: int):
+    """--resume: the restored LR schedules count optimizer steps, `steps` an iteration now
+    (settings.steps_per_iteration, once --prompts-per-iter fits the data); another number is
+    refused."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    before = settings.steps_per_iteration({**defaults, **recorded_settings(cfg.out)})
+    if before != steps:
+        raise DataError(f"--resume: {cfg.out} was written with {before} optimizer steps an "
+                        f"iteration, not {steps} (--epochs x --prompts-per-iter x "
+                        "--samples-per-prompt / --minibatch, rounded up); its LR schedules "
+                        "count them")
 
 
 def load_plain(path: str):

@@ -2,10 +2,11 @@
 
 A setting is a Config field made by arg() with a rule: (a test, the words for what it expects);
 --help shows the words, parse_args runs the test. Also the settings that cannot go together,
-those a run ignores, and the one-line refusal. Needs no sibling. All engineering: a first reading
-may skip this file."""
+those a run ignores, what a resumed run may change, the flags a command line gives, and the
+one-line refusal. Needs no sibling. All engineering: a first reading may skip this file."""
 import argparse
 import dataclasses
+import math
 import re
 import sys
 
@@ -168,3 +169,88 @@ def warn_ignored(cfg, given: dict):
         if name in given:
             print(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)}: ignored ({why})",
                   file=sys.stderr)
+
+
+def given_flags(config, words: list[str]) -> list[str]:
+    """The flags of `config`'s command line that `words` give, as argparse reads them.
+    So an abbreviation (--se 5) or --seed=5 counts as --seed; a malformed line gives none (the
+    command's own check says why)."""
+    p = command_line(config, (), "", add_help=False)
+    p.error = malformed
+    try:
+        known, _ = p.parse_known_args(join_negative_numbers(words))
+    except ValueError:
+        return []
+    return ["--" + k.replace("_", "-") for k, v in vars(known).items() if v is not None]
+
+
+def malformed(message: str):
+    """An argparse error as an exception, for a parser that must not exit."""
+    raise ValueError(message)
+
+
+# ---- what a resumed run may change ----------------------------------------------------------
+
+PROBLEMS = "the run would train or evaluate on other problems or prompts than its rows so far"
+# refused on --resume, each with why; a setting the run does not use is not compared (unused)
+KEPT_ON_RESUME = {
+    **dict.fromkeys(("data", "eval_data", "eval_problems", "max_prompt_tokens", "arith_steps",
+                     "arith_slip", "arith_traps", "prompt_template", "chat", "system", "answer"),
+                    PROBLEMS),
+    **dict.fromkeys(("model", "sft_steps", "sft_lr", "sft_batch"),
+                    "the policy and its KL reference were made from it"),
+    **dict.fromkeys(("algo", "value_head"), "the checkpoint holds that method's learners (a "
+                                            "critic and its head, or none)"),
+    "fsdp": "the checkpoint's optimizer states are saved in its format",
+    "seed": "each iteration's problems are drawn with --seed + iteration",
+    **dict.fromkeys(("lr", "critic_lr", "warmup"),
+                    "its optimizers and LR schedules were built with {written}"),
+    "critic_warmup": "the policy's LR schedule was built to begin after it",
+}
+# where and how a run is started, its length (said on its own) and its files: no history
+NOT_RECORDED = ("out", "resume", "overwrite", "iterations", "data_files")
+
+
+def unused(cfg) -> set:
+    """The settings this run does not read: those ignored() names, and SFT's without SFT."""
+    return set(ignored(cfg)) | ({"sft_lr", "sft_batch"} if not cfg.sft_steps else set())
+
+
+def refused_on_resume(cfg, written: dict) -> str:
+    """Why a run cannot resume with cfg ('' if it can): the first setting of KEPT_ON_RESUME that
+    differs from the one `written` (its config.json) records, and why."""
+    defaults, skipped = {f.name: f.default for f in dataclasses.fields(cfg)}, unused(cfg)
+    for key, why in KEPT_ON_RESUME.items():
+        before, now = written.get(key, defaults[key]), getattr(cfg, key)  # newer: its default
+        if before != now and key not in skipped:
+            return (f"written with --{key.replace('_', '-')} {before!r}, not {now!r}; "
+                    + why.format(written=repr(before)))
+    return ""
+
+
+def with_history(written: dict, now: dict, first: int, skip: set) -> tuple[dict, list[str]]:
+    """A resumed run's config.json, and its changes in words.
+
+    `now`'s settings, with "history": each setting that has changed, its values and the
+    iteration each took effect from. A value recorded from after the checkpoint (iteration
+    `first` - 1) is dropped, as its rows are: that stretch is run again. `skip`: the settings
+    the run does not use."""
+    history = {key: [entry for entry in entries if entry["from_iteration"] < first]
+               for key, entries in written.get("history", {}).items()}
+    changes = []
+    for key, value in now.items():
+        if key in NOT_RECORDED or key in skip:
+            continue
+        entries = history.get(key) or [{"from_iteration": 0, "value": written.get(key)}]
+        if entries[-1]["value"] != value:
+            history[key] = entries + [{"from_iteration": first, "value": value}]
+            changes.append(f"--{key.replace('_', '-')} {value!r} ({entries[-1]['value']!r} "
+                           "before)")
+    history = {key: entries for key, entries in history.items() if len(entries) > 1}
+    return ({**now, "history": history} if history else now), changes
+
+
+def steps_per_iteration(settings: dict) -> int:
+    """Optimizer steps an iteration takes: --epochs passes over its episodes in minibatches."""
+    return settings["epochs"] * math.ceil(settings["prompts_per_iter"]
+                                          * settings["samples_per_prompt"] / settings["minibatch"])

@@ -6,7 +6,6 @@ All engineering, skipped on a first reading; a run's life, step by step, and whi
 does each: docs/runs-that-survive.md."""
 import copy
 import fcntl
-import math
 import os
 import random
 import shutil
@@ -21,7 +20,7 @@ from tqdm import tqdm
 
 import ppo
 import value
-from engineering import checkpoint, models, parallel, prompts, sft, tasks
+from engineering import checkpoint, models, outputs, parallel, prompts, settings, sft, tasks
 from engineering.tasks import DataError, first_line
 
 # so DDP and FSDP take it
@@ -126,8 +125,9 @@ def load_run(cfg, device, autocast):
             raise checkpoint.start_again(f"{resume_from} has no critic/")
         if cfg.gradient_checkpointing:  # a reloaded critic does not carry the setting
             critic.backbone.activation_checkpointing_enable(**RECOMPUTE)
-    steps_per_iteration = cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt
-                                                 / cfg.minibatch)
+    steps_per_iteration = settings.steps_per_iteration(vars(cfg))
+    if state is not None:  # the restored LR schedules count them
+        checkpoint.check_schedule(cfg, steps_per_iteration)
     total = cfg.iterations * steps_per_iteration
     # the policy does not step during --critic-warmup:
     # its schedule spans the iterations after it, down to 0
@@ -156,7 +156,7 @@ def begin_writing(cfg, state, rows: dict, sft_reference, tok):
             checkpoint.save_checkpoint(cfg.out, sft_reference, tok, name="reference")
         # a run that trains records what it runs with
         if state is None or state["iteration"] < cfg.iterations:
-            checkpoint.record_settings(cfg)
+            checkpoint.record_settings(cfg, None if state is None else state["iteration"])
         checkpoint.write_rows(rows)
     parallel.barrier()
 
@@ -171,7 +171,7 @@ def check_out_apart_from_model(cfg):
     out, model = os.path.realpath(cfg.out), os.path.realpath(model)
     inside = lambda path, folder: path == folder or path.startswith(os.path.join(folder, ""))
     runs_own = any(inside(model, os.path.join(out, name))
-                   for name in checkpoint.RESULTS + checkpoint.LEFTOVERS)
+                   for name in outputs.RESULTS + outputs.LEFTOVERS)
     if inside(out, model) or runs_own:
         where = ("is" if out == model else "is inside" if inside(out, model)
                  else "holds it as the run's own")
@@ -180,21 +180,21 @@ def check_out_apart_from_model(cfg):
 
 
 def prepare_out(cfg):
-    """--out made, locked for this run, checked for an earlier run and writable; nothing removed
-    yet."""
+    """--out checked for files that are not this project's (outputs.py), made, locked for this
+    run, checked for an earlier run and writable; nothing removed yet."""
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise DataError(f"--out {cfg.out!r} is a file, not a directory")
     if os.path.islink(cfg.out) and not os.path.exists(cfg.out):
         raise DataError(f"--out {cfg.out!r} is a symbolic link to {os.readlink(cfg.out)!r}, "
                         "which does not exist")
     try:
+        outputs.refuse_foreign(cfg.out, "--out")  # before the lock's file is made in it
         os.makedirs(cfg.out, exist_ok=True)
         if parallel.rank() == 0:
             lock_out(cfg.out)
-        found = [name for name in checkpoint.RESULTS if os.path.exists(os.path.join(cfg.out, name))]
-        if found and not cfg.resume and not cfg.overwrite:
-            raise DataError(f"--out {cfg.out!r} holds an earlier run ({', '.join(found)}): "
-                            "pass --resume to continue it or --overwrite to replace it")
+        outputs.refuse_earlier(cfg.out, "--out", outputs.RESULTS, cfg.resume or cfg.overwrite,
+                               "an earlier run",
+                               "pass --resume to continue it or --overwrite to replace it")
         probe = os.path.join(cfg.out, f".writable{parallel.rank()}")
         open(probe, "w").close()
         os.remove(probe)
@@ -203,8 +203,9 @@ def prepare_out(cfg):
 
 
 def remove_earlier_run(out: str):
-    """--overwrite: all of the earlier run, before anything of this run is written."""
-    for name in checkpoint.RESULTS + checkpoint.LEFTOVERS:
+    """--overwrite: all of the earlier run, before anything of this run is written (of the files
+    in --out, only the run's own: outputs.refuse_foreign refused any other)."""
+    for name in outputs.RESULTS + outputs.LEFTOVERS:
         path = os.path.join(out, name)
         if os.path.isdir(path):
             shutil.rmtree(path)
