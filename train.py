@@ -82,6 +82,8 @@ class Config:
     mc_rollouts: int = arg(9, "K: continuations per state for the MC value", at_least(1))
     max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); "
                                     "later: the return; 0: all", at_least(0))
+    no_fork: bool = arg(False, "MC values by their definition: each state encoded afresh, not "
+                               "forked from the KV cache (slower; the same distribution)")
     mc_max_rollouts: int = arg(0, "adaptive MC values (the reference's: 30): --mc-rollouts first, "
                                   "then more while V_hat's 95-percent interval > --mc-ci-width, "
                                   "never more than this in all (the last round is cut to fit); "
@@ -195,12 +197,13 @@ def main(cfg: Config):
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
         # 4-5. old log-probs, one forward pass a chunk (a prompt's responses in one); VinePPO
-        # forks the pass's KV cache (row e holds chunk[e]) for K continuations of each state
-        mc_counts = collections.Counter()
+        # forks the pass's KV cache (row e holds chunk[e]) for K continuations of each state,
+        # or with --no-fork encodes each state afresh (cache None)
+        mc_counts, fork = collections.Counter(), cfg.algo == "vineppo" and not cfg.no_fork
         with autocast, parallel.unsharded(policy.model):
             for chunk in batching.group_chunks(episodes, cfg.forward_batch_tokens):
                 cache = rollout.old_logprobs(policy.model, chunk, cfg.temperature,
-                                             sampling.pad_id, keep_cache=cfg.algo == "vineppo")
+                                             sampling.pad_id, keep_cache=fork)
                 watch.lap("time_logprobs")
                 if cfg.algo == "vineppo":
                     mc_counts += value_with_mc(policy.model, chunk, cache, sampling, mc, cheaper)

@@ -104,7 +104,8 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
 
     - a state is the prompt + the response up to a step start; each distinct one is valued once;
     - its K continuations are forked from `cache`, the old-log-prob pass over exactly these
-      episodes (train.main's chunk): row e holds episodes[e];
+      episodes (train.main's chunk): row e holds episodes[e]; with cache None each state is
+      encoded afresh instead (continuations_by_definition);
     - a continuation is graded as the state's response prefix + the continuation;
     - past the first mc.max_states states: None (step_advantages puts R there).
     Returns the counts of states, continuations and continuation tokens."""
@@ -139,21 +140,48 @@ def state_keys(ep: rollout.Episode, max_states: int = 0) -> list:
 def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: int, sampling):
     """Rewards [len(keys)][k] of k continuations of each state in keys, and their token count.
 
-    A continuation is what the policy samples after the state, as if the state were encoded
-    afresh; generation.continue_from_cache samples it from the old-log-prob pass's cache, in one
-    batched call. A continuation that did not stop within its budget scores 0. keys may name a
-    state twice: vine_cheaper.sampling_rounds asks for one continuation at a time that way."""
+    A continuation is what the policy samples after the state encoded afresh: by definition
+    with cache None (continuations_by_definition, train.py --no-fork), else, the same
+    distribution faster, forked from the old-log-prob pass's cache in one batched call
+    (generation.continue_from_cache). A continuation that did not stop within its budget
+    scores 0. keys may name a state twice: vine_cheaper.sampling_rounds asks for one
+    continuation at a time that way."""
     holders = [states[key] for key in keys]  # (e, b): episodes[e], row e of the cache, holds it
     budgets = [sampling.max_new_tokens - b for _, b in holders]  # what the response's b leaves
-    conts, finished = generation.continue_from_cache(model, [list(key) for key in keys], k,
-                                                     budgets, sampling, cache=cache,
-                                                     rows=[e for e, _ in holders])
+    if cache is None:
+        conts, finished = continuations_by_definition(model, [list(key) for key in keys], k,
+                                                      budgets, sampling)
+    else:
+        conts, finished = generation.continue_from_cache(model, [list(key) for key in keys], k,
+                                                         budgets, sampling, cache=cache,
+                                                         rows=[e for e, _ in holders])
     rewards = []
     for (e, b), continuations, stopped in zip(holders, conts, finished):
         prefix = episodes[e].response_ids[:b]
         rewards.append([reward.response_reward(episodes[e], prefix + c, sampling.tokenizer)
                         if f else 0.0 for c, f in zip(continuations, stopped)])
     return rewards, sum(len(c) for continuations in conts for c in continuations)
+
+
+@torch.no_grad()
+def continuations_by_definition(model, states: list[list[int]], k: int, budgets: list[int],
+                                sampling):
+    """k continuations of each state and whether each finished (lists [n][k]), by definition:
+    the state encoded afresh, and `generate` samples k rows of what follows it.
+    Each row is cut after its end id, to its budget and before the stop string
+    (generation.finish); it is finished when it stopped by itself."""
+    device, conts, finished = next(model.parameters()).device, [], []
+    for state, budget in zip(states, budgets):
+        ids = torch.tensor([state] * k, device=device)  # [k, len(state)]
+        new = [[] for _ in range(k)]
+        if budget > 0:
+            new = generation.generate(model, sampling, input_ids=ids, max_new_tokens=budget,
+                                      attention_mask=torch.ones_like(ids))[:, len(state):].tolist()
+        rows = [generation.finish(row, budget, sampling.stops, sampling.tokenizer,
+                                  sampling.stop, state) for row in new]
+        conts.append([row for row, _ in rows])
+        finished.append([done for _, done in rows])
+    return conts, finished
 
 
 def step_advantages(values: list[float | None], outcome: float) -> list[float]:
