@@ -282,7 +282,8 @@ def first_ratio(model) -> float:
 def test_dropout_is_off_at_load_so_the_first_ratio_is_exactly_one(tmp_path):
     torch.manual_seed(0)
     # dropout 0.1 x 3
-    config = hf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    # a row for each of the tiny tokenizer's 100 tokens (load_model refuses fewer)
+    config = hf.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=64)
     assert config.attn_pdrop == config.resid_pdrop == config.embd_pdrop == 0.1
     hf.GPT2LMHeadModel(config).save_pretrained(tmp_path)
     models.build_tiny_model(str(tmp_path / "tok"), 0)  # any tokenizer: the test feeds ids
@@ -296,6 +297,35 @@ def test_dropout_is_off_at_load_so_the_first_ratio_is_exactly_one(tmp_path):
     assert model.config.attn_pdrop == 0.0 and all(m.p == 0 for m in model.modules()
                                                   if isinstance(m, torch.nn.Dropout))
     assert first_ratio(model) == 1.0
+
+
+# ---- a model folder that cannot work: refused at load, in one line -----------------------------
+
+def test_a_tokenizer_config_without_its_vocabulary_is_refused_at_load(tmp_path):
+    """tokenizer.json gone, tokenizer_config.json kept: transformers builds a tokenizer of no text
+    from the config's class (Llama's, GPT-2's, Gemma's) or fails (its own backend's); either is
+    refused, naming the file missing."""
+    models.build_tiny_model(str(tmp_path), seed=0)
+    os.remove(tmp_path / "tokenizer.json")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for kind in ("LlamaTokenizer", "GPT2Tokenizer", "GemmaTokenizer", config["tokenizer_class"]):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                    "tokenizer_class": kind}))
+        with pytest.raises(tasks.DataError) as e:
+            models.load_model(str(tmp_path), "cpu")
+        assert str(e.value).startswith(f"--model {str(tmp_path)!r}: no tokenizer in it (missing: "
+                                       "tokenizer.json)") and "\n" not in str(e.value), kind
+
+
+def test_a_vocab_size_below_the_tokenizers_is_refused_at_load(tmp_path):
+    """A model of 64 embedding rows beside the tiny tokenizer's 100 tokens: an IndexError in SFT's
+    first pass before; refused at load now, with both sizes."""
+    models.build_tiny_model(str(tmp_path), seed=0)
+    hf.LlamaForCausalLM(hf.LlamaConfig(**COMMON)).save_pretrained(tmp_path)  # vocab_size V = 64
+    with pytest.raises(tasks.DataError, match=rf"^--model '{tmp_path}': its config.json's "
+                                              r"vocab_size 64 is smaller than its tokenizer's 100 "
+                                              r"tokens; expected a vocab_size of at least 100"):
+        models.load_model(str(tmp_path), "cpu")
 
 
 # ---- a real pretrained LM: SmolLM2-135M-Instruct, where it is installed
