@@ -187,6 +187,31 @@ def test_template_file_and_resume_settings(tmp_path, capsys):
         checkpoint.find_resume(other)
 
 
+GEMMA = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+         "supported') }}{% endif %}" + CHAT)
+
+
+def test_a_chat_template_that_refuses_a_turn_or_is_not_jinja_is_one_line(chat_tok):
+    """Gemma's template refuses a system turn, a broken one cannot be parsed: jinja2's errors
+    before, one line naming the file that holds the template and what to do now."""
+    import copy
+    tok = copy.deepcopy(chat_tok[0])
+    where = "the chat template of --model 'm' (its tokenizer_config.json)"
+    for template, given, says in [
+            (GEMMA, dict(system="Be brief."),
+             f"--chat --system: {where} refuses a system turn (System role not supported); "
+             "leave out --system and write its words in --prompt-template"),
+            (CHAT.replace("endfor %}", "endfor }"), {},
+             f"--chat: {where} is not valid Jinja (unexpected '}}', line 3); correct it there, or "
+             "leave out --chat and write the prompt with --prompt-template")]:
+        tok.chat_template = template
+        with pytest.raises(tasks.DataError) as e:
+            prompts.pose_problems(settings(chat=True, **given), tok, problems())
+        assert str(e.value) == says
+    tok.chat_template = GEMMA
+    prompts.pose_problems(settings(chat=True), tok, problems())  # without --system: as before
+
+
 # ---- the fork, or a fresh encode, on 13 architectures --------------------------------------------
 
 V, WINDOW = 64, 8

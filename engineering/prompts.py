@@ -6,6 +6,7 @@ demonstrations in --answer's style: sft.py).
 Needs: reward.py (the answer styles' readers), tasks.py, parallel.py (which process speaks). All
 engineering around the algorithm: a first reading may skip this file (docs/your-own-model.md tells
 its settings)."""
+import os
 import string
 
 from tqdm import tqdm
@@ -35,16 +36,37 @@ def pose_problems(cfg, tok, problems: list[dict], context: int | None = None):
         if template is not None:
             p["prompt"] = template.format(question=p["question"].strip())
         if cfg.chat:
-            system = [{"role": "system", "content": cfg.system}] if cfg.system else []
-            p["prompt"] = tok.apply_chat_template(
-                system + [{"role": "user", "content": p["prompt"]}],
-                tokenize=False, add_generation_prompt=True)
+            p["prompt"] = chat_turns(cfg, tok, p["prompt"])
             p["prompt_ids"] = tok(p["prompt"], add_special_tokens=False).input_ids
         else:
             p["prompt_ids"] = encode_prompt(tok, p["prompt"])
         if not p.get("math"):
             p["style"] = cfg.answer
     warn_unencodable(tok, [p["prompt"] for p in problems], cfg.model)
+
+
+def chat_turns(cfg, tok, text: str) -> str:
+    """The text as a user turn of the tokenizer's chat template, after --system's turn, with
+    add_generation_prompt. A template that refuses these turns (Gemma's refuses a system turn) or
+    is not valid Jinja: a DataError in one line naming the file that holds it."""
+    import jinja2
+    system = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    try:
+        return tok.apply_chat_template(system + [{"role": "user", "content": text}],
+                                       tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as e:
+        file = "chat_template.jinja" if os.path.isfile(
+            os.path.join(cfg.model, "chat_template.jinja")) else "tokenizer_config.json"
+        where = f"the chat template of --model {cfg.model!r} (its {file})"
+        if isinstance(e, jinja2.TemplateSyntaxError):
+            raise DataError(f"--chat: {where} is not valid Jinja ({e.message}, line {e.lineno}); "
+                            "correct it there, or leave out --chat and write the prompt with "
+                            "--prompt-template") from None
+        if system:
+            raise DataError(f"--chat --system: {where} refuses a system turn ({first_line(e)}); "
+                            "leave out --system and write its words in --prompt-template") from None
+        raise DataError(f"--chat: {where} refuses a user turn ({first_line(e)}); leave out --chat "
+                        "and write the prompt with --prompt-template") from None
 
 
 # A --prompt-template is a str.format string with one field, {question} (the data's own templates
