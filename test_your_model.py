@@ -419,6 +419,19 @@ def refusal(capsys, args) -> str:
     return err
 
 
+def test_a_template_file_over_a_mebibyte_is_refused_unread(tmp_path, capsys):
+    """Its size is checked before it is read (a sparse file: no byte is written); /dev/zero, which
+    has no size, is read to one byte past the limit (test_vine's one-line refusals)."""
+    with open(tmp_path / "big.txt", "wb") as f:
+        f.truncate(2**20 + 1)  # a byte over the limit
+    err = refusal(capsys, ["--prompt-template", f"@{tmp_path / 'big.txt'}"])
+    assert err == (f"error: --prompt-template @{tmp_path / 'big.txt'}: cannot read "
+                   f"'{tmp_path / 'big.txt'}' (over 1048576 bytes, the most it may hold)\n")
+    (tmp_path / "crlf.txt").write_bytes(b"Q: {question}\r\nA:\r")
+    assert train.parse_args(["--prompt-template", f"@{tmp_path / 'crlf.txt'}"]
+                            ).prompt_template == "Q: {question}\nA:\n"  # as open() reads it
+
+
 def test_an_empty_template_file_is_refused_as_one_without_question_is(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.txt").write_text("  \n\t\n")

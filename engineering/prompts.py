@@ -157,16 +157,33 @@ def encode_prompt(tok, prompt: str) -> list[int]:
     return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
 
 
+# the most bytes a --prompt-template @FILE may hold (1 MiB): over a hundred times a prompt of
+# the default --max-prompt-tokens
+FILE_LIMIT = 1 << 20
+
+
+def read_small_file(path: str, limit: int = FILE_LIMIT) -> str:
+    """A UTF-8 text file of at most limit bytes, its line ends read as open() reads them; a larger
+    one is an OSError. Its size is checked before it is read, and at most limit + 1 bytes are read
+    (/dev/zero and a pipe have no size)."""
+    with open(path, "rb") as f:
+        too_large = os.fstat(f.fileno()).st_size > limit
+        data = b"" if too_large else f.read(limit + 1)
+    if too_large or len(data) > limit:
+        raise OSError(f"over {limit} bytes, the most it may hold")
+    return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+
+
 def read_template_file(given: dict, error):
     """--prompt-template @FILE: the file's text is the template (config.json records the text).
-    A given template is checked here, before any work: an empty file, or one that is not a
-    template (template_problem), is refused in one line naming the file, or the text's start."""
+    A given template is checked here, before any work: an empty file, one too large to read
+    (read_small_file), or one that is not a template (template_problem), is refused in one line
+    naming the file, or the text's start."""
     template = given.get("prompt_template", "")
     shown = template if template.startswith("@") else brief(template)
     if template.startswith("@"):
         try:
-            with open(template[1:], encoding="utf-8") as f:
-                given["prompt_template"] = f.read()
+            given["prompt_template"] = read_small_file(template[1:])
         except (OSError, UnicodeDecodeError) as e:
             error(f"--prompt-template {template}: cannot read {template[1:]!r} ({first_line(e)})")
         if not given["prompt_template"].strip():
