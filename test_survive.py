@@ -743,6 +743,18 @@ def test_diagnose_paths_and_counts_are_checked(tmp_path):
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_diagnose_values_the_held_out_questions_of_a_file(tmp_path, capsys):
+    """diagnose.py --data FILE: the questions train.py holds out of it (10 of the fixture's 55),
+    as its help and --trace say, not every row; it says which it used."""
+    import diagnose
+    (tmp_path / "model").mkdir()
+    data = os.path.join(HERE, "fixtures", "gsm8k_sample.jsonl")
+    with pytest.raises(DataError, match="^--trajectories 55: the held-out set has 10 problems$"):
+        diagnose.main(["--checkpoint", str(tmp_path / "model"), "--data", data,
+                       "--trajectories", "55"])
+    assert "one question in 5 (10) is held out for evaluation" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--variant", "foo"],
      "--variant 'foo': expected NAME=FLAGS with NAME beginning with one of vineppo, ppo"),
