@@ -594,6 +594,21 @@ def test_a_given_setting_the_run_ignores_is_said_once(capsys, args, ignored):
     assert capsys.readouterr().err.splitlines() == ["warning: " + line for line in ignored]
 
 
+def test_evaluating_in_another_prompt_than_training_is_said(capsys):
+    """arith's own prompt is the question and a newline, GSM8K's the reference's: one warning when
+    --data and --eval-data differ in it, none when --prompt-template or --chat pose both alike."""
+    train.parse_args(["--eval-data", "gsm8k"])
+    assert capsys.readouterr().err == (
+        "warning: --eval-data gsm8k: asked in its own prompt '[MATH_TASK] Problem:\\n{question}"
+        "\\n\\nSolution:', not in '{question}\\n', the one --data arith trains in; "
+        "--prompt-template poses both in one\n")
+    train.parse_args(["--data", "x.jsonl", "--eval-data", "arith"])
+    assert "asked in its own prompt '{question}\\n', not in '[MATH" in capsys.readouterr().err
+    for alike in (["--prompt-template", "Q: {question}"], ["--chat"], ["--data", "gsm8k"]):
+        train.parse_args(["--eval-data", "gsm8k", *alike])
+        assert capsys.readouterr().err == ""
+
+
 def test_fsdp_without_torchrun_is_said(capsys):
     start.start_process(train.parse_args(["--fsdp", "--device", "cpu"]))
     assert "warning: --fsdp: ignored (one process, nothing to shard" in capsys.readouterr().out

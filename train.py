@@ -318,6 +318,7 @@ def parse_args(argv=None) -> Config:
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
     if os.environ.get("RANK", "0") == "0":  # torchrun: one process says it
         settings.warn_ignored(cfg, given)
+        tasks.warn_other_prompts(cfg)
     return cfg
 
 
