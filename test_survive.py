@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import rollout
 import test_vine
 import train
 from engineering import checkpoint, models, prompts, sft, start
@@ -607,6 +608,29 @@ def test_evaluating_in_another_prompt_than_training_is_said(capsys):
     for alike in (["--prompt-template", "Q: {question}"], ["--chat"], ["--data", "gsm8k"]):
         train.parse_args(["--eval-data", "gsm8k", *alike])
         assert capsys.readouterr().err == ""
+
+
+def test_the_token_budgets_are_said_to_change_a_seeds_samples(tiny, capsys):
+    """Another --max-batch-tokens cuts sampling into other batches, so a seed draws other samples
+    from the same distribution (docs/gpu.md measures both budgets on the demo): --help and the
+    README say so where they promise that memory settings change no gradient."""
+    tok, model = tiny
+    drawn = []
+    for budget in (10_000, 26):  # 8 rows of 13 tokens in one batch, or in batches of at most 2
+        torch.manual_seed(0)
+        sampling = rollout.Sampling(1.0, 1.0, 10, eos_id=tok.eos_token_id, pad_id=0,
+                                    max_batch_tokens=budget)
+        drawn.append(rollout.sample(model, [[1, 5, 6]] * 8, 1, [10] * 8, sampling)[0])
+    assert drawn[0] != drawn[1]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert ("another cuts sampling into other batches, so a seed draws other samples (same "
+            "distribution)" in said and "VinePPO samples MC continuations per pass, so another "
+            "draws others (same distribution)" in said)
+    readme = " ".join(open(os.path.join(HERE, "README.md"), encoding="utf-8").read().split())
+    assert ("`--max-batch-tokens` and `--forward-batch-tokens` change a seed's samples, not their "
+            "distribution" in readme)
 
 
 def test_fsdp_without_torchrun_is_said(capsys):
