@@ -58,7 +58,7 @@ from engineering import outputs, settings
 from engineering.checkpoint import load_critic
 from engineering.models import load_model
 from engineering.prompts import encode_prompt
-from engineering.tasks import DataError, first_line, load_problems
+from engineering.tasks import HELD_OUT, DataError, first_line, load_problems
 from reward import STOP, grade
 
 
@@ -175,7 +175,10 @@ def parse_args(argv=None):
     p.error = lambda message: sys.exit(print(f"error: {message}", file=sys.stderr) or 2)
     p.add_argument("--checkpoint", required=True,
                    help="a train.py checkpoint (critic/ inside is used)")
-    p.add_argument("--data", default="arith")
+    p.add_argument("--data", default="arith",
+                   help="'arith', 'gsm8k', 'math' (their test splits) or a .jsonl (its held-out "
+                        "split, as train.py's without --eval-data: one question in "
+                        f"{HELD_OUT}, by a hash of its text)")
     p.add_argument("--arith-steps", default="2-5", type=rule(*train.STEPS),
                    help="arith only: steps per chain, MIN-MAX, as in training")
     p.add_argument("--arith-traps", default="", type=rule(*train.TRAPS),
@@ -235,7 +238,8 @@ def main(argv=None):
                        ("--critic-checkpoint", a.critic_checkpoint)):
         if path is not None and not os.path.isdir(path):
             raise DataError(f"{flag} {path!r}: no such directory")
-    problems = load_problems(a.data, "test", steps=a.arith_steps, traps=a.arith_traps)
+    problems = load_problems(a.data, "test", steps=a.arith_steps, traps=a.arith_traps,
+                             hold_out=True)
     if a.trajectories > len(problems) and not a.trace:
         raise DataError(f"--trajectories {a.trajectories}: the held-out set has "
                         f"{len(problems)} problems")

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import rollout
 import test_vine
 import train
 from engineering import checkpoint, models, outputs, prompts, sft, start
@@ -599,6 +600,44 @@ def test_a_given_setting_the_run_ignores_is_said_once(capsys, args, ignored):
     assert capsys.readouterr().err.splitlines() == ["warning: " + line for line in ignored]
 
 
+def test_evaluating_in_another_prompt_than_training_is_said(capsys):
+    """arith's own prompt is the question and a newline, GSM8K's the reference's: one warning when
+    --data and --eval-data differ in it, none when --prompt-template or --chat pose both alike."""
+    train.parse_args(["--eval-data", "gsm8k"])
+    assert capsys.readouterr().err == (
+        "warning: --eval-data gsm8k: asked in its own prompt '[MATH_TASK] Problem:\\n{question}"
+        "\\n\\nSolution:', not in '{question}\\n', the one --data arith trains in; "
+        "--prompt-template poses both in one\n")
+    train.parse_args(["--data", "x.jsonl", "--eval-data", "arith"])
+    assert "asked in its own prompt '{question}\\n', not in '[MATH" in capsys.readouterr().err
+    for alike in (["--prompt-template", "Q: {question}"], ["--chat"], ["--data", "gsm8k"]):
+        train.parse_args(["--eval-data", "gsm8k", *alike])
+        assert capsys.readouterr().err == ""
+
+
+def test_the_token_budgets_are_said_to_change_a_seeds_samples(tiny, capsys):
+    """Another --max-batch-tokens cuts sampling into other batches, so a seed draws other samples
+    from the same distribution (docs/gpu.md measures both budgets on the demo): --help and the
+    README say so where they promise that memory settings change no gradient."""
+    tok, model = tiny
+    drawn = []
+    for budget in (10_000, 26):  # 8 rows of 13 tokens in one batch, or in batches of at most 2
+        torch.manual_seed(0)
+        sampling = rollout.Sampling(1.0, 1.0, 10, eos_id=tok.eos_token_id, pad_id=0,
+                                    max_batch_tokens=budget)
+        drawn.append(rollout.sample(model, [[1, 5, 6]] * 8, 1, [10] * 8, sampling)[0])
+    assert drawn[0] != drawn[1]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert ("another cuts sampling into other batches, so a seed draws other samples (same "
+            "distribution)" in said and "VinePPO samples MC continuations per pass, so another "
+            "draws others (same distribution)" in said)
+    readme = " ".join(open(os.path.join(HERE, "README.md"), encoding="utf-8").read().split())
+    assert ("`--max-batch-tokens` and `--forward-batch-tokens` change a seed's samples, not their "
+            "distribution" in readme)
+
+
 def test_fsdp_without_torchrun_is_said(capsys):
     start.start_process(train.parse_args(["--fsdp", "--device", "cpu"]))
     assert "warning: --fsdp: ignored (one process, nothing to shard" in capsys.readouterr().out
@@ -746,6 +785,18 @@ def test_diagnose_paths_and_counts_are_checked(tmp_path):
         with pytest.raises(DataError, match="^" + message):
             diagnose.main(args)
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_diagnose_values_the_held_out_questions_of_a_file(tmp_path, capsys):
+    """diagnose.py --data FILE: the questions train.py holds out of it (10 of the fixture's 55),
+    as its help and --trace say, not every row; it says which it used."""
+    import diagnose
+    (tmp_path / "model").mkdir()
+    data = os.path.join(HERE, "fixtures", "gsm8k_sample.jsonl")
+    with pytest.raises(DataError, match="^--trajectories 55: the held-out set has 10 problems$"):
+        diagnose.main(["--checkpoint", str(tmp_path / "model"), "--data", data,
+                       "--trajectories", "55"])
+    assert "one question in 5 (10) is held out for evaluation" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [

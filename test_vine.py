@@ -1612,6 +1612,12 @@ def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):
     (["--mc-top-up"], "--mc-top-up counts the responses as continuations: it needs --mc-reuse"),
     (["--mc-top-up", "--mc-reuse", "--mc-max-rollouts", "30"], "not --mc-max-rollouts"),
     (["--mc-ci-width", "0"], "--mc-ci-width 0.0: expected > 0"),
+    (["--algo", "tppo", "--value-head", "scalar"],
+     "--algo tppo --value-head scalar: exactly --algo ppo (TPPO is GAE on the tracking head); "
+     "use --algo ppo"),
+    (["--prompt-template", "@/dev/zero"],  # no size: read to one byte past the limit
+     "--prompt-template @/dev/zero: cannot read '/dev/zero' (over 1048576 bytes, the most it may "
+     "hold)"),
 ])
 def test_bad_setting_gives_one_line_error(capsys, args, message):
     """Every setting is checked once, right after parsing: exit status 2 and one line, no

@@ -189,6 +189,31 @@ def test_template_file_and_resume_settings(tmp_path, capsys):
         checkpoint.find_resume(other)
 
 
+GEMMA = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+         "supported') }}{% endif %}" + CHAT)
+
+
+def test_a_chat_template_that_refuses_a_turn_or_is_not_jinja_is_one_line(chat_tok):
+    """Gemma's template refuses a system turn, a broken one cannot be parsed: jinja2's errors
+    before, one line naming the file that holds the template and what to do now."""
+    import copy
+    tok = copy.deepcopy(chat_tok[0])
+    where = "the chat template of --model 'm' (its tokenizer_config.json)"
+    for template, given, says in [
+            (GEMMA, dict(system="Be brief."),
+             f"--chat --system: {where} refuses a system turn (System role not supported); "
+             "leave out --system and write its words in --prompt-template"),
+            (CHAT.replace("endfor %}", "endfor }"), {},
+             f"--chat: {where} is not valid Jinja (unexpected '}}', line 3); correct it there, or "
+             "leave out --chat and write the prompt with --prompt-template")]:
+        tok.chat_template = template
+        with pytest.raises(tasks.DataError) as e:
+            prompts.pose_problems(settings(chat=True, **given), tok, problems())
+        assert str(e.value) == says
+    tok.chat_template = GEMMA
+    prompts.pose_problems(settings(chat=True), tok, problems())  # without --system: as before
+
+
 # ---- the fork, or a fresh encode, on 13 architectures --------------------------------------------
 
 V, WINDOW = 64, 8
@@ -340,7 +365,8 @@ def first_ratio(model) -> float:
 def test_dropout_is_off_at_load_so_the_first_ratio_is_exactly_one(tmp_path):
     torch.manual_seed(0)
     # dropout 0.1 x 3
-    config = hf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    # a row for each of the tiny tokenizer's 100 tokens (load_model refuses fewer)
+    config = hf.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=64)
     assert config.attn_pdrop == config.resid_pdrop == config.embd_pdrop == 0.1
     hf.GPT2LMHeadModel(config).save_pretrained(tmp_path)
     models.build_tiny_model(str(tmp_path / "tok"), 0)  # any tokenizer: the test feeds ids
@@ -354,6 +380,35 @@ def test_dropout_is_off_at_load_so_the_first_ratio_is_exactly_one(tmp_path):
     assert model.config.attn_pdrop == 0.0 and all(m.p == 0 for m in model.modules()
                                                   if isinstance(m, torch.nn.Dropout))
     assert first_ratio(model) == 1.0
+
+
+# ---- a model folder that cannot work: refused at load, in one line -----------------------------
+
+def test_a_tokenizer_config_without_its_vocabulary_is_refused_at_load(tmp_path):
+    """tokenizer.json gone, tokenizer_config.json kept: transformers builds a tokenizer of no text
+    from the config's class (Llama's, GPT-2's, Gemma's) or fails (its own backend's); either is
+    refused, naming the file missing."""
+    models.build_tiny_model(str(tmp_path), seed=0)
+    os.remove(tmp_path / "tokenizer.json")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for kind in ("LlamaTokenizer", "GPT2Tokenizer", "GemmaTokenizer", config["tokenizer_class"]):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                    "tokenizer_class": kind}))
+        with pytest.raises(tasks.DataError) as e:
+            models.load_model(str(tmp_path), "cpu")
+        assert str(e.value).startswith(f"--model {str(tmp_path)!r}: no tokenizer in it (missing: "
+                                       "tokenizer.json)") and "\n" not in str(e.value), kind
+
+
+def test_a_vocab_size_below_the_tokenizers_is_refused_at_load(tmp_path):
+    """A model of 64 embedding rows beside the tiny tokenizer's 100 tokens: an IndexError in SFT's
+    first pass before; refused at load now, with both sizes."""
+    models.build_tiny_model(str(tmp_path), seed=0)
+    hf.LlamaForCausalLM(hf.LlamaConfig(**COMMON)).save_pretrained(tmp_path)  # vocab_size V = 64
+    with pytest.raises(tasks.DataError, match=rf"^--model '{tmp_path}': its config.json's "
+                                              r"vocab_size 64 is smaller than its tokenizer's 100 "
+                                              r"tokens; expected a vocab_size of at least 100"):
+        models.load_model(str(tmp_path), "cpu")
 
 
 # ---- a real pretrained LM: SmolLM2-135M-Instruct, where it is installed
@@ -420,6 +475,19 @@ def refusal(capsys, args) -> str:
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
     return err
+
+
+def test_a_template_file_over_a_mebibyte_is_refused_unread(tmp_path, capsys):
+    """Its size is checked before it is read (a sparse file: no byte is written); /dev/zero, which
+    has no size, is read to one byte past the limit (test_vine's one-line refusals)."""
+    with open(tmp_path / "big.txt", "wb") as f:
+        f.truncate(2**20 + 1)  # a byte over the limit
+    err = refusal(capsys, ["--prompt-template", f"@{tmp_path / 'big.txt'}"])
+    assert err == (f"error: --prompt-template @{tmp_path / 'big.txt'}: cannot read "
+                   f"'{tmp_path / 'big.txt'}' (over 1048576 bytes, the most it may hold)\n")
+    (tmp_path / "crlf.txt").write_bytes(b"Q: {question}\r\nA:\r")
+    assert train.parse_args(["--prompt-template", f"@{tmp_path / 'crlf.txt'}"]
+                            ).prompt_template == "Q: {question}\nA:\n"  # as open() reads it
 
 
 def test_an_empty_template_file_is_refused_as_one_without_question_is(tmp_path, capsys):

@@ -141,10 +141,12 @@ class Config:
                                  "of an SFT demo is wrong", between(0, 1))
     arith_traps: str = arg("", "arith only: the modulo-10 task, "
                                "MIN-MAX carry/borrow steps per chain", TRAPS)
-    max_batch_tokens: int = arg(524288, "generation batch budget: rows x (prefix + new tokens)",
-                                at_least(1))
-    forward_batch_tokens: int = arg(32768, "token budget of one log-prob / value forward pass",
-                                    at_least(1))
+    max_batch_tokens: int = arg(524288, "generation batch budget: rows x (prefix + new tokens); "
+                                        "another cuts sampling into other batches, so a seed "
+                                        "draws other samples (same distribution)", at_least(1))
+    forward_batch_tokens: int = arg(32768, "token budget of one log-prob / value forward pass; "
+                                           "VinePPO samples MC continuations per pass, so "
+                                           "another draws others (same distribution)", at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
     precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights "
                              "(default: bf16 on CUDA, else fp32)", one_of("", *models.PRECISIONS))
@@ -322,6 +324,7 @@ def parse_args(argv=None) -> Config:
     cfg.value_head = cfg.value_head or {"ppo": "scalar", "tppo": "tracking"}.get(cfg.algo, "")
     if os.environ.get("RANK", "0") == "0":  # torchrun: one process says it
         settings.warn_ignored(cfg, given)
+        tasks.warn_other_prompts(cfg)
     return cfg
 
 

@@ -62,6 +62,9 @@ def load_model(name: str, device, trust_remote_code=False, resuming: bool = Fals
                                     "save_pretrained (model and tokenizer)")
         try:
             tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+            # a tokenizer_config.json without its vocabulary loads as a tokenizer of no text
+            if not encodes_text(tok):
+                raise ValueError(f"its tokenizer encodes {PLAIN!r} to no token but unknown ones")
         except Exception as e:  # no tokenizer files: "Couldn't instantiate the backend tokenizer"
             raise without_tokenizer(name, e) from None
         config = without_dropout(AutoConfig.from_pretrained(name,
@@ -80,7 +83,20 @@ def load_model(name: str, device, trust_remote_code=False, resuming: bool = Fals
                         f"{flag} at a local directory written by save_pretrained (model and "
                         f"tokenizer); also accepted: 'tiny', {', '.join(sorted(ALIASES))} or a "
                         "reachable hub id") from None
+    rows = model.get_input_embeddings().num_embeddings
+    if rows < len(tok):  # a token id past the embedding's rows: an IndexError in the first pass
+        raise DataError(f"{flag} {name!r}: its config.json's vocab_size {rows} is smaller than its "
+                        f"tokenizer's {len(tok)} tokens; expected a vocab_size of at least "
+                        f"{len(tok)}, a row of the embedding for every token id")
     return tok, model
+
+
+PLAIN = "Question: 12 + 30 = 42"  # text any tokenizer of a language model encodes
+
+
+def encodes_text(tok) -> bool:
+    """Whether the tokenizer encodes plain text to at least one token other than its unknown one."""
+    return any(i != tok.unk_token_id for i in tok(PLAIN, add_special_tokens=False).input_ids)
 
 
 # what save_pretrained writes for a fast tokenizer; the files that can hold a tokenizer's vocabulary

@@ -6,6 +6,7 @@ demonstrations in --answer's style: sft.py).
 Needs: reward.py (the answer styles' readers), tasks.py, parallel.py (which process speaks). All
 engineering around the algorithm: a first reading may skip this file (docs/your-own-model.md tells
 its settings)."""
+import os
 import string
 
 from tqdm import tqdm
@@ -35,16 +36,37 @@ def pose_problems(cfg, tok, problems: list[dict], context: int | None = None):
         if template is not None:
             p["prompt"] = template.format(question=p["question"].strip())
         if cfg.chat:
-            system = [{"role": "system", "content": cfg.system}] if cfg.system else []
-            p["prompt"] = tok.apply_chat_template(
-                system + [{"role": "user", "content": p["prompt"]}],
-                tokenize=False, add_generation_prompt=True)
+            p["prompt"] = chat_turns(cfg, tok, p["prompt"])
             p["prompt_ids"] = tok(p["prompt"], add_special_tokens=False).input_ids
         else:
             p["prompt_ids"] = encode_prompt(tok, p["prompt"])
         if not p.get("math"):
             p["style"] = cfg.answer
     warn_unencodable(tok, [p["prompt"] for p in problems], cfg.model)
+
+
+def chat_turns(cfg, tok, text: str) -> str:
+    """The text as a user turn of the tokenizer's chat template, after --system's turn, with
+    add_generation_prompt. A template that refuses these turns (Gemma's refuses a system turn) or
+    is not valid Jinja: a DataError in one line naming the file that holds it."""
+    import jinja2
+    system = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    try:
+        return tok.apply_chat_template(system + [{"role": "user", "content": text}],
+                                       tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as e:
+        file = "chat_template.jinja" if os.path.isfile(
+            os.path.join(cfg.model, "chat_template.jinja")) else "tokenizer_config.json"
+        where = f"the chat template of --model {cfg.model!r} (its {file})"
+        if isinstance(e, jinja2.TemplateSyntaxError):
+            raise DataError(f"--chat: {where} is not valid Jinja ({e.message}, line {e.lineno}); "
+                            "correct it there, or leave out --chat and write the prompt with "
+                            "--prompt-template") from None
+        if system:
+            raise DataError(f"--chat --system: {where} refuses a system turn ({first_line(e)}); "
+                            "leave out --system and write its words in --prompt-template") from None
+        raise DataError(f"--chat: {where} refuses a user turn ({first_line(e)}); leave out --chat "
+                        "and write the prompt with --prompt-template") from None
 
 
 # A --prompt-template is a str.format string with one field, {question} (the data's own templates
@@ -135,16 +157,33 @@ def encode_prompt(tok, prompt: str) -> list[int]:
     return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
 
 
+# the most bytes a --prompt-template @FILE may hold (1 MiB): over a hundred times a prompt of
+# the default --max-prompt-tokens
+FILE_LIMIT = 1 << 20
+
+
+def read_small_file(path: str, limit: int = FILE_LIMIT) -> str:
+    """A UTF-8 text file of at most limit bytes, its line ends read as open() reads them; a larger
+    one is an OSError. Its size is checked before it is read, and at most limit + 1 bytes are read
+    (/dev/zero and a pipe have no size)."""
+    with open(path, "rb") as f:
+        too_large = os.fstat(f.fileno()).st_size > limit
+        data = b"" if too_large else f.read(limit + 1)
+    if too_large or len(data) > limit:
+        raise OSError(f"over {limit} bytes, the most it may hold")
+    return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+
+
 def read_template_file(given: dict, error):
     """--prompt-template @FILE: the file's text is the template (config.json records the text).
-    A given template is checked here, before any work: an empty file, or one that is not a
-    template (template_problem), is refused in one line naming the file, or the text's start."""
+    A given template is checked here, before any work: an empty file, one too large to read
+    (read_small_file), or one that is not a template (template_problem), is refused in one line
+    naming the file, or the text's start."""
     template = given.get("prompt_template", "")
     shown = template if template.startswith("@") else brief(template)
     if template.startswith("@"):
         try:
-            with open(template[1:], encoding="utf-8") as f:
-                given["prompt_template"] = f.read()
+            given["prompt_template"] = read_small_file(template[1:])
         except (OSError, UnicodeDecodeError) as e:
             error(f"--prompt-template {template}: cannot read {template[1:]!r} ({first_line(e)})")
         if not given["prompt_template"].strip():

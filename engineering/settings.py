@@ -127,6 +127,9 @@ def refuse_conflicts(cfg, error):
         error("--system: a system turn needs --chat (the tokenizer's chat template)")
     if cfg.value_head and cfg.algo not in ("ppo", "tppo"):
         error(f"--value-head {cfg.value_head!r}: only ppo and tppo have a critic, not {cfg.algo}")
+    if cfg.algo == "tppo" and cfg.value_head == "scalar":
+        error("--algo tppo --value-head scalar: exactly --algo ppo (TPPO is GAE on the tracking "
+              "head); use --algo ppo")
     if cfg.critic_warmup and cfg.algo not in ("ppo", "tppo"):
         error(f"--critic-warmup {cfg.critic_warmup}: only ppo and tppo have a critic to warm up; "
               f"under {cfg.algo} the policy would stand still for {cfg.critic_warmup} iterations")

@@ -7,6 +7,7 @@ import hashlib
 import json
 import random
 import re
+import sys
 
 from reward import ARITH_PROMPT, PROMPT, extract_answer, math_answers
 
@@ -207,6 +208,20 @@ def held_out_split(problems: list[dict], data: str, split: str) -> list[dict]:
         print(f"--data {data} without --eval-data: one question in {HELD_OUT} ({len(kept)}) "
               "is held out for evaluation and not trained on")
     return kept
+
+
+def warn_other_prompts(cfg):
+    """A warning when the evaluation asks in another prompt than training: the built-in task's own
+    (ARITH_PROMPT) on one side, the reference's (PROMPT) on the other. --prompt-template and --chat
+    pose both alike; MATH with arith is refused later (is_math)."""
+    if not cfg.eval_data or cfg.prompt_template or cfg.chat or \
+            (cfg.data == "arith") == (cfg.eval_data == "arith") or \
+            is_math_data(cfg.data) or is_math_data(cfg.eval_data):
+        return
+    own = lambda data: ARITH_PROMPT if data == "arith" else PROMPT
+    print(f"warning: --eval-data {cfg.eval_data}: asked in its own prompt {own(cfg.eval_data)!r}, "
+          f"not in {own(cfg.data)!r}, the one --data {cfg.data} trains in; --prompt-template "
+          "poses both in one", file=sys.stderr)
 
 
 def is_math_data(data: str) -> bool:
