@@ -570,6 +570,24 @@ def test_forked_greedy_equals_reencoded_greedy(model):
         assert len(set(forks[0])) > 1  # a non-trivial continuation
 
 
+def test_mc_values_by_definition_equal_the_forks(model, monkeypatch):
+    """--no-fork (cache None: each state encoded afresh, vine.continuations_by_definition) and the
+    fork give the same continuations greedy, so the same MC values and step advantages, under a
+    reward that reads every continuation token."""
+    seqs = random_seqs([9, 12, 7])
+    episodes = [rollout.Episode([1, 5], seq, "", group=g, finished=True, reward=float(g == 0),
+                                step_starts=starts)
+                for g, (seq, starts) in enumerate(zip(seqs, ([0, 3, 6], [0, 4], [0, 2, 5])))]
+    monkeypatch.setattr(reward, "response_reward", lambda ep, ids, tok: sum(ids) % 7 / 6)
+    greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=16, eos_id=2, pad_id=0)
+    cache = rollout.old_logprobs(model, episodes, 1.0, 0, keep_cache=True)
+    vine.mc_values(model, episodes, cache, greedy, vine.MCSettings(k=2))
+    forked = [(ep.step_values, vine.episode_advantages(ep).tolist()) for ep in episodes]
+    vine.mc_values(model, episodes, None, greedy, vine.MCSettings(k=2))
+    plain = [(ep.step_values, vine.episode_advantages(ep).tolist()) for ep in episodes]
+    assert forked == plain and len({v for values, _ in plain for v in values}) >= 3
+
+
 def test_forked_logprobs_equal_full_forward(model):
     """Log-probs through a fork of several prefixes of several rows, over three decoding steps
     (each written into the preallocated cache), equal those of the full forward pass."""

@@ -142,11 +142,9 @@ class Config:
     arith_traps: str = arg("", "arith only: the modulo-10 task, "
                                "MIN-MAX carry/borrow steps per chain", TRAPS)
     max_batch_tokens: int = arg(524288, "generation batch budget: rows x (prefix + new tokens); "
-                                        "another cuts sampling into other batches, so a seed "
-                                        "draws other samples (same distribution)", at_least(1))
+                                        "another changes a seed's samples", at_least(1))
     forward_batch_tokens: int = arg(32768, "token budget of one log-prob / value forward pass; "
-                                           "VinePPO samples MC continuations per pass, so "
-                                           "another draws others (same distribution)", at_least(1))
+                                           "another changes a seed's MC samples", at_least(1))
     device: str = arg("auto", "'cuda', 'cpu' or 'auto'", DEVICE)
     precision: str = arg("", "fp32 | bf16: bf16 autocast over fp32 weights "
                              "(default: bf16 on CUDA, else fp32)", one_of("", *models.PRECISIONS))
@@ -198,9 +196,8 @@ def main(cfg: Config):
         prompts.warn_if_unread(episodes, tok, f"iteration {it}")
         vine.split_steps(episodes, tok)
         watch.lap("time_rollout")
-        # 4-5. old log-probs, one forward pass a chunk (a prompt's responses in one); VinePPO
-        # forks the pass's KV cache (row e holds chunk[e]) for K continuations of each state,
-        # or with --no-fork encodes each state afresh (cache None)
+        # 4-5. old log-probs, a forward pass a chunk (a prompt's responses in one); VinePPO forks
+        # its KV cache (row e: chunk[e]) for K continuations a state (--no-fork: encoded afresh)
         mc_counts, fork = collections.Counter(), cfg.algo == "vineppo" and not cfg.no_fork
         with autocast, parallel.unsharded(policy.model):
             for chunk in batching.group_chunks(episodes, cfg.forward_batch_tokens):
