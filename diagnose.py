@@ -4,6 +4,7 @@
     python diagnose.py --checkpoint runs/rho/checkpoint --data gsm8k --gt-rollouts 256
     python diagnose.py --trace --checkpoint out/checkpoint          # one wrong answer, step by step
     python diagnose.py --mc-settings --checkpoint out/checkpoint    # cheaper MC settings
+    python diagnose.py --newline-odds --checkpoint out/checkpoint   # how sure a line's end is
 
 For held-out trajectories of the checkpoint's policy, every state s_i (prompt, then each step
 boundary) gets a ground-truth value from --gt-rollouts continuations, and is estimated by:
@@ -32,6 +33,10 @@ seconds of vine.mc_values, value MAE (each episode's V_hat(s_i), as its baseline
 truth) and advantage MAE (its A_i against r_i + V(s_{i+1}) - V(s_i) of the truth). Last: the
 setting with the fewest MC tokens whose value MAE is within 0.02 of fixed K's. Rows go to
 OUT/mc_settings.json.
+
+--newline-odds: the policy's probability of each token that closes a step's line, given the text
+before it (docs/reference.md, Steps: the reference's rule makes that text a state only when this
+token follows). Printed: count, mean, 5th percentile; all of them go to OUT/newline_odds.json.
 """
 import argparse
 import collections
@@ -210,6 +215,10 @@ def parse_args(argv=None):
                         "(default: --checkpoint's)")
     p.add_argument("--mc-settings", action="store_true",
                    help="compare MC settings' cost and accuracy (above)")
+    p.add_argument("--newline-odds", action="store_true",
+                   help="the policy's probability of each token that closes a step's line, on "
+                        "--trajectories x --group responses: how much the reference's rule, a "
+                        "state before its newline, depends on the next token")
     p.add_argument("--mc-k", type=count(1), default=4,
                    help="--mc-settings: K of fixed K (the demo's 4)")
     p.add_argument("--repeats", type=count(1), default=2,
@@ -248,7 +257,8 @@ def main(argv=None):
     out = a.out or os.path.dirname(os.path.abspath(a.checkpoint))
     if os.path.exists(out) and not os.path.isdir(out):
         raise DataError(f"--out {out!r} is a file, not a directory")
-    mode = "trace" if a.trace else "mc_settings" if a.mc_settings else "values"
+    mode = ("trace" if a.trace else "mc_settings" if a.mc_settings
+            else "newline_odds" if a.newline_odds else "values")
     outputs.claim(out, "--out", outputs.DIAGNOSE[mode], a.overwrite,
                   "an earlier diagnose.py's results")
     try:
@@ -260,6 +270,9 @@ def main(argv=None):
                                 pad_id=rollout.pad_id(tok), stop=STOP, tokenizer=tok)
     if a.trace:
         trace(a, tok, policy, sampling, problems, out)
+    elif a.newline_odds:
+        newline_odds(a, tok, policy, sampling,
+                     random.Random(a.seed).sample(problems, a.trajectories), out)
     elif a.mc_settings:
         mc_settings(a, tok, policy, sampling,
                     random.Random(a.seed).sample(problems, a.trajectories), out)
@@ -352,6 +365,28 @@ def settings_to_compare(k: int) -> dict:
             f"reuse+top-up K={2 * k}": dict(k=2 * k, reuse=True, top_up=True),
             f"adaptive {half},+{half},<={2 * k} + reuse": dict(k=half, max_k=2 * k, increment=half,
                                                                  reuse=True)}
+
+
+def newline_odds(a, tok, policy, sampling, problems, out):
+    """pi(token | the text before it) of each token that ends a step with its '\\n' (every step
+    but the last, the answer's), at the sampling temperature: under the reference's rule the
+    state is the text before that token, and it is a state only when that token follows.
+    Printed: their count, mean and 5th percentile; OUT/newline_odds.json holds them all."""
+    torch.manual_seed(a.seed)
+    batch = [{**p, "prompt_ids": encode_prompt(tok, p["prompt"])} for p in problems]
+    episodes = rollout.sample_episodes(policy, batch, a.group, sampling)
+    vine.split_steps(episodes, tok)
+    rollout.old_logprobs(policy, episodes, sampling.temperature, sampling.pad_id)
+    odds = sorted(math.exp(ep.old_logp[b - 1]) for ep in episodes for b in ep.step_starts[1:])
+    if not odds:
+        raise DataError("no sampled response has more than one step: no line end to measure")
+    summary = {"line_ends": len(odds), "mean": sum(odds) / len(odds),
+               "p5": odds[int(0.05 * (len(odds) - 1))], "episodes": len(episodes)}
+    print(f"pi(the token closing a line | the text before it), T = {sampling.temperature}: "
+          f"{summary['line_ends']} line ends of {len(episodes)} responses, mean "
+          f"{summary['mean']:.4f}, 5th percentile {summary['p5']:.4f}")
+    with open(os.path.join(out, "newline_odds.json"), "w") as f:
+        json.dump({**summary, "odds": odds}, f)
 
 
 def mc_settings(a, tok, policy, sampling, problems, out):

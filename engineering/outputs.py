@@ -19,7 +19,8 @@ LEFTOVERS = ("checkpoint.tmp", "reference.tmp", "reference.old", "tiny-init", "m
              "samples.jsonl.tmp", "config.json", "config.json.tmp")
 FINISHED = "finished"  # compare.py's mark of a run that ended: its --seconds
 DIAGNOSE = {"values": ("diagnose.jsonl", "diagnose.png"), "trace": ("trace.json", "trace.png"),
-            "mc_settings": ("mc_settings.json",)}  # diagnose.py's, by default in the run's folder
+            "mc_settings": ("mc_settings.json",),
+            "newline_odds": ("newline_odds.json",)}  # diagnose.py's, by default in the run's folder
 REPORT = ("gpu-report.json", "gpu-report.md")  # bench.py --gpu-report's
 # the run's lock, the tiny model being built at its start, and all of the above
 OURS = set(RESULTS + LEFTOVERS + REPORT + sum(DIAGNOSE.values(), ())
