@@ -10,7 +10,10 @@ architectures). What fork relies on in transformers 5, which that test would cat
 - a forward pass with use_cache returns `out.cache` (formerly past_key_values), a DynamicCache;
   iterating it yields each layer's (keys, values, ...), each [B, H, L, D];
 - `generate` feeds the model only the ids past the cache's length, and numbers a row's
-  positions by the cumulative sum of its attention mask, minus one;
+  positions by the cumulative sum of its attention mask, minus one (test_vine.py's
+  test_what_the_fork_relies_on_in_generate shows both; in transformers v5.25.0, lines 4336,
+  704 and 923 of https://github.com/huggingface/transformers/blob/v5.25.0/src/transformers/
+  generation/utils.py);
 - a cache layer is a DynamicLayer with `keys`, `values`, `is_initialized` and `update`
   (PreallocatedLayer).
 

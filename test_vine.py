@@ -588,6 +588,33 @@ def test_mc_values_by_definition_equal_the_forks(model, monkeypatch):
     assert forked == plain and len({v for values, _ in plain for v in values}) >= 3
 
 
+def first_forward_inputs(model, **generate_kwargs) -> dict:
+    """The keyword arguments of the first forward pass `generate` makes."""
+    seen = []
+    hook = model.model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw),
+                                                 with_kwargs=True)
+    try:
+        model.generate(**generate_kwargs, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+def test_what_the_fork_relies_on_in_generate(model):
+    """generation.fork's two assumptions, shown: with a cache of W-1 columns, `generate` feeds
+    the model only the ids past the cache's length (transformers v5.25.0
+    src/transformers/generation/utils.py, lines 4336 and 704); and it numbers a row's
+    positions by the running sum of its mask, minus one (line 923)."""
+    ids = torch.tensor([random_seqs([6])[0]])  # [1, W = 6]
+    cache = model(input_ids=ids[:, :-1], use_cache=True).cache  # W-1 = 5 columns
+    fed = first_forward_inputs(model, input_ids=ids, attention_mask=torch.ones_like(ids),
+                               cache=cache)
+    assert fed["input_ids"].tolist() == [ids[0, -1:].tolist()]  # the last id alone
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])  # two columns of left padding
+    fed = first_forward_inputs(model, input_ids=ids, attention_mask=mask)
+    assert fed["position_ids"].tolist() == [[0, 0, 0, 1, 2, 3]]  # padding 0, then 0, 1, ...
+
+
 def test_forked_logprobs_equal_full_forward(model):
     """Log-probs through a fork of several prefixes of several rows, over three decoding steps
     (each written into the preallocated cache), equal those of the full forward pass."""
