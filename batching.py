@@ -1,8 +1,7 @@
-"""Batches of least padding: how `rollout.sample` cuts its prompts and `fork_batches` VinePPO's
-states into `generate` calls, and how the log-prob, value and reference passes cut episodes into
-forward passes, within a token budget; and the fork's buffers, reused from batch to batch.
+"""Batches of least padding: how `rollout.sample` cuts its prompts and fork.fork_batches
+VinePPO's states into `generate` calls, and how the log-prob, value and reference passes cut
+episodes into forward passes, within a token budget.
 All engineering: a first reading may skip this file."""
-import torch
 
 
 def least_padding(lengths: list[int], budgets: list[int], copies: list[int], max_tokens: int,
@@ -73,37 +72,3 @@ def group_chunks(episodes, max_tokens: int, overhead: int | None = None):
                             overhead)
     for indices in sorted(sorted(e for g in batch for e in groups[g]) for batch in batches):
         yield [episodes[e] for e in indices]
-
-
-def fork_batches(model, prefixes, budgets: list[int], k: int, max_tokens: int):
-    """(batches of prefix indices, the allocator of their fork buffers) for continue_from_cache:
-    least padding within max_tokens (least_padding), one set of buffers reused."""
-    parts = least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes), max_tokens,
-                          batch_overhead(model))
-    return parts, reused_buffers(largest_fork(parts, prefixes, budgets, k))
-
-
-def largest_fork(parts, prefixes, budgets, k: int) -> int:
-    """The cached positions of the largest fork among the parts:
-    rows x (longest prefix - 1 + largest budget), fork's capacity."""
-    return max(len(part) * k * (max(len(prefixes[j]) for j in part) - 1
-                                + max(budgets[j] for j in part)) for part in parts)
-
-
-def reused_buffers(positions: int):
-    """fork's allocator for the batches of one continue_from_cache call.
-
-    Buffer `slot` (a layer's keys or values) of each batch is a view of one flat tensor,
-    made at the first fork for `positions` cached positions, the largest batch's. A CPU pays
-    for a fresh page the first time it is touched, and buffers this large go back to the OS
-    when freed, so each new batch would pay again (docs/speed-and-memory.md). Peak memory is
-    unchanged: the largest batch's."""
-    flat = {}
-
-    def allocate(slot, shape, dtype, device):  # shape [rows, H, columns, D]
-        size = shape[0] * shape[1] * shape[2] * shape[3]
-        if slot not in flat or flat[slot].numel() < size or flat[slot].dtype != dtype:
-            flat[slot] = torch.empty(max(size, positions * shape[1] * shape[3]), dtype=dtype,
-                                     device=device)
-        return flat[slot][:size].view(shape)
-    return allocate

@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import batching
-import generation
+import fork
 import math_grader
 import reward
 import rollout
@@ -279,10 +279,9 @@ def memory_and_speed(a):
 
 
 def forking_by(method: str):
-    """generation.fork with its method ("copy" or "gather") fixed, where continue_from_cache
+    """fork.fork with its method ("copy" or "gather") fixed, where continue_from_cache
     calls it (its default: by the device)."""
-    fork = functools.partial(generation.fork, method=method)
-    return mock.patch.object(generation, "fork", fork)
+    return mock.patch.object(fork, "fork", functools.partial(fork.fork, method=method))
 
 
 def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
@@ -314,13 +313,13 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
 
     def fork_each(cache):
         for prefix, row in zip(prefixes, rows):
-            generation.continue_from_cache(model, [prefix], a.k, [a.new_tokens], sampling,
+            fork.continue_from_cache(model, [prefix], a.k, [a.new_tokens], sampling,
                                            cache=cache, rows=[row])
 
     def fork_batch(cache, method="copy"):
         batched = dataclasses.replace(sampling, max_batch_tokens=a.max_batch_tokens)
         with forking_by(method):
-            out, done = generation.continue_from_cache(model, prefixes, a.k, budgets, batched,
+            out, done = fork.continue_from_cache(model, prefixes, a.k, budgets, batched,
                                                        cache=cache, rows=rows)
         assert sum(len(c) for cs in out for c in cs) == n_tokens and not any(map(any, done))
 
@@ -331,7 +330,7 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
         floor_cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)[1]
 
     def decode_only():  # every row forks row 0 of floor_cache; one batch, whatever its size
-        generation.continue_from_cache(model, [floor_prefix] * len(prefixes), a.k, budgets,
+        fork.continue_from_cache(model, [floor_prefix] * len(prefixes), a.k, budgets,
                                        dataclasses.replace(sampling, max_batch_tokens=1 << 62),
                                        cache=floor_cache, rows=[0] * len(prefixes))
 
@@ -353,7 +352,7 @@ def speed(a, model=None, only=None, autocast=contextlib.nullcontext()) -> dict:
     start = time.perf_counter()
     with torch.no_grad(), autocast:
         # warm-up
-        generation.continue_from_cache(model, [floor_prefix], a.k, [a.new_tokens], sampling,
+        fork.continue_from_cache(model, [floor_prefix], a.k, [a.new_tokens], sampling,
                                        cache=floor_cache, rows=[0])
         runs = paired_runs(order, a.repeats, time_one)
     med = {name: statistics.median(s[i] for s in runs for i, n in enumerate(order) if n == name)

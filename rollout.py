@@ -1,7 +1,7 @@
 """Sampling responses and their log-probs (arXiv 2410.01679v1, §3).
 
 A prompt is encoded once; its KV cache is then forked k times, and HF `generate` samples on from
-each fork (generation.py). VinePPO's MC continuations take the same path from the old-log-prob
+each fork (fork.py). VinePPO's MC continuations take the same path from the old-log-prob
 pass's cache, which holds every state of a response (vine.py).
 
 Notation, here and in vine.py, value.py and ppo.py: a sequence is a prompt of P tokens, then a
@@ -28,6 +28,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import batching
+import fork
 import generation
 import reward
 
@@ -120,7 +121,7 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
     """k continuations of each prefix, and their finished flags (lists [n][k]).
 
     The prefixes are encoded, once each, in the batches they will decode in; then each batch's
-    cache is forked k times (generation.continue_from_cache)."""
+    cache is forked k times (fork.continue_from_cache)."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     budgets = generation.within_context(model, prefixes, budgets)
@@ -131,7 +132,7 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
         ids, mask = pad_right([prefixes[j] for j in part], sampling.pad_id, device)
         # transformers 5 calls the KV cache `cache` (formerly past_key_values)
         cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
-        c, f = generation.continue_from_cache(model, [prefixes[j] for j in part], k,
+        c, f = fork.continue_from_cache(model, [prefixes[j] for j in part], k,
                                               [budgets[j] for j in part], sampling, cache=cache,
                                               rows=list(range(len(part))))
         for j, cj, fj in zip(part, c, f):
@@ -174,7 +175,7 @@ def response_logprobs(model, episodes: list[Episode], temperature: float, pad_id
 
 
 def pad_right(seqs: list[list[int]], pad_id: int, device=None):
-    """ids [B, L] and mask, each row's token t in column t (generation.fork relies on it)."""
+    """ids [B, L] and mask, each row's token t in column t (fork.fork relies on it)."""
     rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
     ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
     mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import batching
 import bench
-import generation
+import fork
 import ppo
 import rollout
 import value
@@ -223,7 +223,7 @@ def test_fork_buffers_take_the_autocast_dtype(model):
                            (lambda: models.autocast(CPU, "fp32"), torch.float32)]:
         with torch.no_grad(), context():
             _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
-            _, _, forked = generation.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5,
+            _, _, forked = fork.fork(cache, [seqs[0][:9], seqs[1][:17]], [0, 1], 2, 5,
                                            pad_id=0)
         assert {x.dtype for layer in forked.layers for x in (layer.keys, layer.values)} == {dtype}
     # the source cache: what the fork converts from
@@ -240,7 +240,7 @@ def test_forked_logprobs_under_autocast_match_the_full_forward(model):
         full, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
         logits = model(input_ids=ids, attention_mask=mask).logits
         prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
-        fork_ids, attn, forked = generation.fork(cache, prefixes, rows, 1, 3, pad_id=0)
+        fork_ids, attn, forked = fork.fork(cache, prefixes, rows, 1, 3, pad_id=0)
         for step in range(3):  # feed the true next tokens one at a time
             last = torch.tensor([seqs[r][e - 1 + step] for r, e in zip(rows, ends)])[:, None]
             positions = torch.tensor(ends)[:, None] - 1 + step
@@ -261,7 +261,7 @@ def test_forked_greedy_under_autocast_matches_reencoding(model):
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0)
     with torch.no_grad(), bf16():
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
-        forked, _ = generation.continue_from_cache(model, prefixes, 2, [12] * 3, greedy,
+        forked, _ = fork.continue_from_cache(model, prefixes, 2, [12] * 3, greedy,
                                                    cache=cache, rows=rows)
         for prefix, forks in zip(prefixes, forked):
             # HF's own cache
@@ -281,7 +281,7 @@ def sampling_peak(model, cache, n_prefixes, max_batch_tokens):
     with bench.LiveTensorBytes() as counter:
         sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=60, eos_id=40,
                                     pad_id=0, max_batch_tokens=max_batch_tokens)
-        generation.continue_from_cache(model, prefixes, 4, [60] * n_prefixes, sampling, cache=cache,
+        fork.continue_from_cache(model, prefixes, 4, [60] * n_prefixes, sampling, cache=cache,
                                        rows=rows)
     return counter.peak
 
@@ -318,12 +318,12 @@ def test_batches_of_one_call_fork_into_one_buffer_each(model, monkeypatch):
     monkeypatch.setattr(batching, "batch_overhead", lambda _: 10 ** 6)  # the fewest batches: three
 
     def draw(reused_buffers):
-        monkeypatch.setattr(batching, "reused_buffers", reused_buffers)
+        monkeypatch.setattr(fork, "reused_buffers", reused_buffers)
         torch.manual_seed(0)
-        return generation.continue_from_cache(model, prefixes, 3, [6, 6, 6, 2, 6], sampling,
+        return fork.continue_from_cache(model, prefixes, 3, [6, 6, 6, 2, 6], sampling,
                                               cache=cache, rows=rows)
 
-    made, storage, reuse = [], set(), batching.reused_buffers
+    made, storage, reuse = [], set(), fork.reused_buffers
 
     def poisoned(positions):
         assert positions == 6 * (22 - 1 + 6)  # the largest batch: 6 rows x (prefix - 1 + budget)
@@ -353,16 +353,16 @@ def test_gather_fork_equals_copy_fork(model, autocast, monkeypatch):
     prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
     with torch.no_grad(), (bf16() if autocast else models.autocast(CPU, "fp32")):
         _, cache = rollout.token_logprobs(model, ids, mask, 1.0, keep_cache=True)
-        copied = generation.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
-        gathered = generation.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
+        copied = fork.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="copy")
+        gathered = fork.fork(cache, prefixes, rows, 3, 4, pad_id=0, method="gather")
         greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=2, pad_id=0)
         samples, gathers = [], []
-        gather = generation.gather_columns
-        monkeypatch.setattr(generation, "gather_columns",
+        gather = fork.gather_columns
+        monkeypatch.setattr(fork, "gather_columns",
                             lambda *args: gathers.append(1) or gather(*args))
-        for method in generation.FORK_METHODS:  # bench's way to pick the method
+        for method in fork.FORK_METHODS:  # bench's way to pick the method
             with bench.forking_by(method):
-                samples.append(generation.continue_from_cache(model, prefixes, 2, [6] * 5, greedy,
+                samples.append(fork.continue_from_cache(model, prefixes, 2, [6] * 5, greedy,
                                                               cache=cache, rows=rows))
             assert bool(gathers) == (method == "gather")  # the method asked for ran
     assert samples[0] == samples[1]

@@ -240,7 +240,7 @@ def test_cut_at_stop_hand_cases(llama_tok, char_tok, byte_tok):
         assert cut_at_stop(kept + [eos]) == kept + [eos]  # no stop string: unchanged
         assert cut_at_stop(kept) == kept
         assert cut_at_stop(enc("\n\n\nProblem")) == enc("\n\n\nProblem")
-        # a row that stopped, filled with EOS (generation.continue_from_cache)
+        # a row that stopped, filled with EOS (fork.continue_from_cache)
         # -> the kept tokens and EOS, finished
         row = enc("\nA = 3.\n#### 3\n\n\nProblem:") + [eos] * 3
         assert generation.finish(row, 100, eos, tok, STOP) == (kept + [eos], True)

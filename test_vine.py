@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import batching
+import fork
 import generation
 import ppo
 import reward
@@ -151,6 +152,10 @@ def test_step_advantages_hand_computed():
     assert vine.token_advantages([0, 2, 3], [1.0, 2.0, 3.0], 5) == [1.0, 1.0, 2.0, 3.0, 3.0]
 
 
+# where fork.continue_from_cache is faked: a cache, so that vine takes the fork's path
+CACHE = "the old-log-prob pass's cache"
+
+
 def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
     calls = []
 
@@ -159,14 +164,14 @@ def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
         # continuation j of a prefix is [j]; its reward (below) is 1 iff j < len(prefix) % 4
         return [[[j] for j in range(k)] for _ in prefixes], [[True] * k for _ in prefixes]
 
-    monkeypatch.setattr(generation, "continue_from_cache", fake_sample)
+    monkeypatch.setattr(fork, "continue_from_cache", fake_sample)
     eps = [rollout.Episode([1, 5], [7, 8, 9, 2], "", 0, True, step_starts=[0, 1, 3]),
            rollout.Episode([1, 5], [7, 8, 6, 2], "", 0, True, step_starts=[0, 2]),
            rollout.Episode([1, 6], [7, 2], "", 1, True, step_starts=[0])]
     grade = lambda ep, ids, tok: float(ids[-1] < (len(ep.prompt_ids) + len(ids) - 1) % 4)
     monkeypatch.setattr(reward, "response_reward", grade)
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10, eos_id=2, pad_id=0)
-    counts = vine.mc_values(None, eps, None, sampling, vine.MCSettings(4, max_states=25))
+    counts = vine.mc_values(None, eps, CACHE, sampling, vine.MCSettings(4, max_states=25))
     assert counts["mc_states"] == 5   # 6 states, [1,5] shared by the two samples of prompt 0
     assert len(calls) == 1 and sorted(calls[0][1]) == [7, 8, 9, 10, 10]  # budget = 10 - boundary
     # prefix length L -> continuation rewards [j < L % 4 for j < 4] -> value (L % 4) / 4
@@ -177,12 +182,12 @@ def test_mc_values_mean_of_continuations_and_dedup(monkeypatch):
 
 def test_mc_values_cap_leaves_none(monkeypatch):
     ep = rollout.Episode([1], [4, 4, 4, 2], "", 0, True, step_starts=[0, 1, 2, 3])
-    monkeypatch.setattr(generation, "continue_from_cache",
+    monkeypatch.setattr(fork, "continue_from_cache",
                         lambda m, prefixes, k, b, sampling, **kw: (
                             [[[2]] * k for _ in prefixes], [[True] * k for _ in prefixes]))
     monkeypatch.setattr(reward, "response_reward", lambda ep, ids, tok: 1.0)
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, pad_id=0)
-    vine.mc_values(None, [ep], None, sampling, vine.MCSettings(2, max_states=2))
+    vine.mc_values(None, [ep], CACHE, sampling, vine.MCSettings(2, max_states=2))
     assert ep.step_values == [1.0, 1.0, None, None]
 
 
@@ -227,7 +232,7 @@ def test_the_definition_page_gives_mc_values_numbers(tmp_path):
     # the random model: every state's continuation, forked and afresh
     cache = rollout.old_logprobs(model, episodes, 1.0, greedy.pad_id, keep_cache=True)
     states = vine.distinct_states(episodes)  # state tokens -> (e, b)
-    forked = generation.continue_from_cache(model, [list(s) for s in states], 1,
+    forked = fork.continue_from_cache(model, [list(s) for s in states], 1,
                                             [32 - b for _, b in states.values()], greedy,
                                             cache=cache, rows=[e for e, _ in states.values()])
     afresh = [definition["continuation"](model, tok.eos_token_id, list(s), 32 - b, 0.0)
@@ -293,7 +298,7 @@ def fake_mc_sampling(monkeypatch):
         return [[[3 if p[-1] == 3 or j % 2 else 4] for j in range(n)] for p in prefixes], \
             [[True] * n for _ in prefixes]
 
-    monkeypatch.setattr(generation, "continue_from_cache", fake_sample)
+    monkeypatch.setattr(fork, "continue_from_cache", fake_sample)
     monkeypatch.setattr(reward, "response_reward", lambda ep, ids, tok: float(ids[-1] == 3))
     sampling = rollout.Sampling(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=2, pad_id=0)
     eps = [rollout.Episode([1], [3, 3, 2], "", 0, True, reward=1.0, step_starts=[0, 1]),
@@ -307,7 +312,7 @@ def test_mc_max_rollouts_is_a_cap(monkeypatch):
     assert (vine_cheaper.more_rollouts([0, 1], 50, 3, 0.05) == 1
             and vine_cheaper.more_rollouts([1, 1], 50, 3, 0.05) == 0)
     calls, sampling, eps = fake_mc_sampling(monkeypatch)
-    counts = vine_cheaper.mc_values(None, eps, None, sampling, vine.MCSettings(2),
+    counts = vine_cheaper.mc_values(None, eps, CACHE, sampling, vine.MCSettings(2),
                                     vine_cheaper.CheaperSettings(max_k=3, increment=50,
                                                                  ci_width=0.05))
     # [1] and [1, 4] are mixed after 2: one more each, 3 in all; [1, 3] agrees and stops at 2
@@ -379,7 +384,7 @@ def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
     -> {(i, step tokens): (E, E put in baseline)}"""
     states = [(1,), (1, 3), (1, 4)]
     assignment = {}
-    monkeypatch.setattr(generation, "continue_from_cache",
+    monkeypatch.setattr(fork, "continue_from_cache",
                         lambda model, prefixes, n, budgets, sampling, **kw: (
         [[list(assignment[(tuple(p), j)]) for j in range(n)] for p in prefixes],
         [[True] * n for _ in prefixes]))
@@ -395,7 +400,7 @@ def expected_advantages(monkeypatch, k: int, group: int, **options) -> dict:
                                    step_starts=[0, 1])
                    for r, _ in responses]
             cheaper = vine_cheaper.CheaperSettings(**options)
-            train.value_with_mc(None, eps, None, sampling, vine.MCSettings(k), cheaper)
+            train.value_with_mc(None, eps, CACHE, sampling, vine.MCSettings(k), cheaper)
             ep = eps[0]
             advantages = vine_cheaper.episode_step_advantages(ep, cheaper.reuse)
             own = [(n * v + ep.reward) / (n + 1)
@@ -516,7 +521,7 @@ def test_every_newline_closing_its_step_is_exactly_unbiased(texts, right, needs_
 
 def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
     calls, sampling, eps = fake_mc_sampling(monkeypatch)
-    counts = vine_cheaper.mc_values(None, eps, None, sampling, vine.MCSettings(3),
+    counts = vine_cheaper.mc_values(None, eps, CACHE, sampling, vine.MCSettings(3),
                                     vine_cheaper.CheaperSettings(max_k=9, increment=2,
                                                                  ci_width=0.05))
     # round 1: 3 states x 3; [1, 3] agrees and stops;
@@ -526,7 +531,7 @@ def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
     assert (eps[0].step_values == [4 / 9, 1.0] and eps[1].step_values == [4 / 9, 4 / 9]
             and eps[0].step_counts == [])
     calls.clear()
-    counts = vine_cheaper.mc_values(None, eps, None, sampling, vine.MCSettings(3),
+    counts = vine_cheaper.mc_values(None, eps, CACHE, sampling, vine.MCSettings(3),
                                     vine_cheaper.CheaperSettings(reuse=True, top_up=True))
     # the prompt has one other response through it: 2
     # continuations; [1, 3] and [1, 4]: none, so 3 each
@@ -534,7 +539,7 @@ def test_mc_values_adaptive_rounds_and_top_up_counts(monkeypatch):
     # [1]: 4, 4 and ep 1's R
     assert eps[0].step_counts == [3, 3] and eps[0].step_values == [1 / 3, 1.0]
     with pytest.raises(ValueError):
-        vine_cheaper.mc_values(None, eps, None, sampling, vine.MCSettings(3),
+        vine_cheaper.mc_values(None, eps, CACHE, sampling, vine.MCSettings(3),
                                vine_cheaper.CheaperSettings(top_up=True))
 
 
@@ -562,7 +567,7 @@ def test_forked_greedy_equals_reencoded_greedy(model):
     prefixes = [seqs[0][:12], seqs[0][:30], seqs[1][:5], seqs[2][:25], seqs[1][:17]]
     rows = [0, 0, 1, 2, 1]
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0)
-    forked, _ = generation.continue_from_cache(model, prefixes, 3, [12] * 5, greedy, cache=cache,
+    forked, _ = fork.continue_from_cache(model, prefixes, 3, [12] * 5, greedy, cache=cache,
                                                rows=rows)
     for prefix, forks in zip(prefixes, forked):
         alone, _ = rollout.sample(model, [prefix], 1, [12], greedy)  # re-encoded, unbatched
@@ -601,7 +606,7 @@ def first_forward_inputs(model, **generate_kwargs) -> dict:
 
 
 def test_what_the_fork_relies_on_in_generate(model):
-    """generation.fork's two assumptions, shown: with a cache of W-1 columns, `generate` feeds
+    """fork.fork's two assumptions, shown: with a cache of W-1 columns, `generate` feeds
     the model only the ids past the cache's length (transformers v5.25.0
     src/transformers/generation/utils.py, lines 4336 and 704); and it numbers a row's
     positions by the running sum of its mask, minus one (line 923)."""
@@ -623,7 +628,7 @@ def test_forked_logprobs_equal_full_forward(model):
     full, cache = rollout.token_logprobs(model, ids, mask, 0.6, keep_cache=True)
     rows, ends = [0, 2, 1, 0], [7, 11, 6, 16]
     prefixes = [seqs[r][:e] for r, e in zip(rows, ends)]
-    fork_ids, attn, forked = generation.fork(cache, prefixes, rows, 1, 3, pad_id=0)
+    fork_ids, attn, forked = fork.fork(cache, prefixes, rows, 1, 3, pad_id=0)
     for step in range(3):  # feed the true next tokens one at a time
         last = torch.tensor([seqs[r][e - 1 + step] for r, e in zip(rows, ends)])[:, None]
         out = model(input_ids=last, attention_mask=attn, cache=forked,
@@ -716,7 +721,7 @@ def test_greedy_continuations_whatever_the_batching(model, monkeypatch):
                                   max_batch_tokens=max_tokens)
         cuts = batching.least_padding(list(map(len, prefixes)), budgets, [2] * 6, max_tokens,
                                       overhead)
-        outs.append((len(cuts), generation.continue_from_cache(model, prefixes, 2, budgets, greedy,
+        outs.append((len(cuts), fork.continue_from_cache(model, prefixes, 2, budgets, greedy,
                                                                cache=cache, rows=rows)))
     assert [n for n, _ in outs] == [6, 4, 2, 1] and all(out == outs[0][1] for _, out in outs)
 
@@ -770,7 +775,7 @@ def test_mc_estimate_matches_the_exact_value_by_enumeration():
         sampling = rollout.Sampling(temperature=temperature, top_p=1.0, max_new_tokens=budget,
                                     eos_id=eos, pad_id=0)
         if forked:
-            conts, done = generation.continue_from_cache(m, [state], n, [budget], sampling,
+            conts, done = fork.continue_from_cache(m, [state], n, [budget], sampling,
                                                          cache=cache, rows=[0])
         else:
             conts, done = rollout.sample(m, [state], n, [budget], sampling)
@@ -1748,7 +1753,7 @@ def test_sampling_sets_the_models_own_generation_settings_aside(model, capsys):
         for m in (model, own):
             torch.manual_seed(5)
             runs.append((rollout.sample(m, prefixes, 3, [8, 8], sampling),
-                         generation.fresh_decode(m, prefixes, 2, 8, sampling)))
+                         fork.fresh_decode(m, prefixes, 2, 8, sampling)))
         assert runs[0] == runs[1]
     assert own.generation_config.repetition_penalty == 5.0  # set aside for each call only
     assert models.overridden_settings(model) == {}

@@ -15,6 +15,7 @@ import torch
 import transformers as hf
 
 import batching
+import fork
 import generation
 import ppo
 import reward
@@ -260,10 +261,10 @@ def test_greedy_continuations_of_every_state_equal_a_fresh_encode(name):
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, V, (n,), generator=g).tolist() for n in (20, 13)]
     _, cache = rollout.token_logprobs(model, *rollout.pad_right(seqs, 0), 1.0, keep_cache=True)
-    assert generation.forkable(cache) == forked
+    assert fork.forkable(cache) == forked
     prefixes, rows = [seqs[0][:5], seqs[0][:20], seqs[1][:13], seqs[1][:9]], [0, 0, 1, 1]
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=6, eos_id=V + 5, pad_id=0)
-    conts, _ = generation.continue_from_cache(model, prefixes, 2, [6] * 4, greedy, cache=cache,
+    conts, _ = fork.continue_from_cache(model, prefixes, 2, [6] * 4, greedy, cache=cache,
                                               rows=rows)
     alone = [model.generate(torch.tensor([p]),
                             attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -299,11 +300,11 @@ def test_no_row_decodes_past_a_learned_position_table(name, monkeypatch):
                             pad_token_id=0)[0, len(p):].tolist()
              for p, n in zip(seqs, (4, 40))]  # 64 - 60: the long row's room
     _, cache = rollout.token_logprobs(model, *rollout.pad_right(seqs, 0), 1.0, keep_cache=True)
-    forked = generation.continue_from_cache(model, seqs, 2, [40, 40], greedy, cache=cache,
+    forked = fork.continue_from_cache(model, seqs, 2, [40, 40], greedy, cache=cache,
                                             rows=[0, 1])[0]
     sampled = rollout.sample(model, seqs, 2, [40, 40], greedy)[0]
-    monkeypatch.setattr(generation, "forkable", lambda cache: False)
-    afresh = generation.continue_from_cache(model, seqs, 2, [40, 40], greedy, cache=cache,
+    monkeypatch.setattr(fork, "forkable", lambda cache: False)
+    afresh = fork.continue_from_cache(model, seqs, 2, [40, 40], greedy, cache=cache,
                                             rows=[0, 1])[0]
     assert forked == sampled == afresh == [[a, a] for a in alone]
 

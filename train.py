@@ -198,11 +198,11 @@ def main(cfg: Config):
         watch.lap("time_rollout")
         # 4-5. old log-probs, a forward pass a chunk (a prompt's responses in one); VinePPO forks
         # its KV cache (row e: chunk[e]) for K continuations a state (--no-fork: encoded afresh)
-        mc_counts, fork = collections.Counter(), cfg.algo == "vineppo" and not cfg.no_fork
+        mc_counts, keep = collections.Counter(), cfg.algo == "vineppo" and not cfg.no_fork
         with autocast, parallel.unsharded(policy.model):
             for chunk in batching.group_chunks(episodes, cfg.forward_batch_tokens):
                 cache = rollout.old_logprobs(policy.model, chunk, cfg.temperature,
-                                             sampling.pad_id, keep_cache=fork)
+                                             sampling.pad_id, keep_cache=keep)
                 watch.lap("time_logprobs")
                 if cfg.algo == "vineppo":
                     mc_counts += value_with_mc(policy.model, chunk, cache, sampling, mc, cheaper)

@@ -1,8 +1,9 @@
 """VinePPO's credit assignment (Kazemnejad et al. 2024, arXiv 2410.01679v1, §4).
 
 Cut each response into reasoning steps; from the start s_i of every step sample K more
-continuations, forked from the old-log-prob pass's KV cache (generation.py); every token of
-step i takes A_i:
+continuations (each state encoded afresh by `generate`, continuations_by_definition; or the
+same distribution faster, forked from the old-log-prob pass's KV cache, fork.py); every token
+of step i takes A_i:
 
     V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)    (unbiased for V(s_i) of the sampler)
     A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),   r_i = R [i = n-1],   V(s_n) = 0
@@ -15,8 +16,9 @@ One MC value's path, as train.main runs it:
     split_steps                ep.step_starts, where each step begins: s_i's end
     rollout.old_logprobs       a forward pass; its KV cache's row e holds episodes[e]
     mc_values                  V_hat of each distinct state, from that cache:
-      continuation_rewards       K continuations of each state (generation.continue_from_cache),
-                                 each graded with its response prefix (reward.response_reward)
+      continuation_rewards       K continuations of each state, graded with its response
+                                 prefix (reward.response_reward): continuations_by_definition
+                                 (--no-fork), or forked (fork.continue_from_cache)
     ppo.assign_advantages      -> episode_advantages: step_advantages, token_advantages
 
 The cheaper settings (adaptive K, reuse, top-up), off by default: vine_cheaper.py.
@@ -28,6 +30,7 @@ from itertools import accumulate
 
 import torch
 
+import fork
 import generation
 import math_grader
 import reward
@@ -143,7 +146,7 @@ def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: in
     A continuation is what the policy samples after the state encoded afresh: by definition
     with cache None (continuations_by_definition, train.py --no-fork), else, the same
     distribution faster, forked from the old-log-prob pass's cache in one batched call
-    (generation.continue_from_cache). A continuation that did not stop within its budget
+    (fork.continue_from_cache). A continuation that did not stop within its budget
     scores 0. keys may name a state twice: vine_cheaper.sampling_rounds asks for one
     continuation at a time that way."""
     holders = [states[key] for key in keys]  # (e, b): episodes[e], row e of the cache, holds it
@@ -152,7 +155,7 @@ def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: in
         conts, finished = continuations_by_definition(model, [list(key) for key in keys], k,
                                                       budgets, sampling)
     else:
-        conts, finished = generation.continue_from_cache(model, [list(key) for key in keys], k,
+        conts, finished = fork.continue_from_cache(model, [list(key) for key in keys], k,
                                                          budgets, sampling, cache=cache,
                                                          rows=[e for e, _ in holders])
     rewards = []

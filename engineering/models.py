@@ -2,7 +2,7 @@
 save_pretrained directory or a .gguf file), dropout off, --precision, and the model's own
 generation settings that sampling sets aside.
 
-Needs: tasks.py (DataError), generation.py (which caches can be forked), parallel.py. All
+Needs: tasks.py (DataError), fork.py (which caches can be forked), parallel.py. All
 engineering: a first reading may skip this file (docs/your-own-model.md tells its settings)."""
 import os
 import re
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-import generation
+import fork
 from engineering import parallel
 from engineering.tasks import DataError, first_line
 
@@ -246,7 +246,7 @@ def announce_fork(cfg, policy):
     with torch.no_grad():
         cache = policy(input_ids=torch.ones(1, 2, dtype=torch.long, device=device),
                        use_cache=True).cache
-    if not generation.forkable(cache) and parallel.rank() == 0:
+    if not fork.forkable(cache) and parallel.rank() == 0:
         kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [cache])})
         what = "MC values and sampling" if cfg.algo == "vineppo" else "sampling"
         tqdm.write(f"--model {cfg.model}: its KV cache ({', '.join(kinds)}) cannot be forked: "
