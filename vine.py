@@ -72,7 +72,8 @@ def line_step_offsets(text: str, boxed: bool = False) -> list[int]:
 
     - a '\\n' closes nothing while the text before it is blank (leading empty lines join the
       first line), nor once the text before it holds the answer ('####'; boxed: '\\boxed');
-    - each rule reads only the text before the '\\n', so no state depends on what follows it.
+    - each rule reads only the text before the '\\n', so no state depends on what follows it;
+      a new rule must keep that, or A_i is biased (docs/reference.md, Steps).
     Cases (steps split at the offsets):
         '\\na\\nb\\n#### 1'         \\na\\n | b\\n | #### 1        leading empty lines join
         'a\\n\\nb\\n#### 1'         a\\n | \\n | b\\n | #### 1     an empty line between: a step
