@@ -18,9 +18,10 @@ architectures). What fork relies on in transformers 5, which those tests would c
 - a cache layer is a DynamicLayer with `keys`, `values`, `is_initialized` and `update`
   (PreallocatedLayer).
 
-Read in order: continue_from_cache, within_context_batches, forkable, fresh_decode, fork,
-copy_columns, PreallocatedLayer. Below the line: the GPU's gather, the batches of least padding
-and their reused buffers.
+Read in order: fork_one_state (the whole idea, for one state), fork, copy_columns,
+PreallocatedLayer; then continue_from_cache, which does the same for many states at once
+(within_context_batches, forkable, fresh_decode). Below the line: the GPU's gather, the batches
+of least padding and their reused buffers.
 """
 import torch
 from transformers import DynamicCache
@@ -30,6 +31,23 @@ import batching
 import generation
 
 FORK_METHODS = ("copy", "gather")
+
+
+@torch.no_grad()
+def fork_one_state(model, cache, row: int, state: list[int], k: int, budget: int, sampling):
+    """k continuations of one state, forked from row `row` of `cache`, and whether each finished.
+
+    The plain version of continue_from_cache, to read first: one state, no batches, no reused
+    buffers, no fallback. The state's keys and values but its last token's are copied k times
+    (fork); `generate` feeds that last token, samples up to `budget` new ones after it, and
+    each row is cut as continue_from_cache cuts it (generation.finish). Greedy, the two give
+    the same tokens (test_vine.py: test_forked_greedy_equals_reencoded_greedy)."""
+    ids, mask, forked = fork(cache, [state], [row], k, budget, sampling.pad_id)  # ids [k, W]
+    out = generation.generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
+                              max_new_tokens=budget)
+    rows = [generation.finish(new, budget, sampling.stops, sampling.tokenizer, sampling.stop,
+                              state) for new in out[:, len(state):].tolist()]
+    return [new for new, _ in rows], [done for _, done in rows]
 
 
 @torch.no_grad()

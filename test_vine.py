@@ -569,10 +569,12 @@ def test_forked_greedy_equals_reencoded_greedy(model):
     greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0)
     forked, _ = fork.continue_from_cache(model, prefixes, 3, [12] * 5, greedy, cache=cache,
                                                rows=rows)
-    for prefix, forks in zip(prefixes, forked):
+    for prefix, row, forks in zip(prefixes, rows, forked):
         alone, _ = rollout.sample(model, [prefix], 1, [12], greedy)  # re-encoded, unbatched
         assert len(set(map(tuple, forks))) == 1 and forks[0] == alone[0][0]
         assert len(set(forks[0])) > 1  # a non-trivial continuation
+        # the plain fork of this one state
+        assert fork.fork_one_state(model, cache, row, prefix, 3, 12, greedy)[0] == forks
 
 
 def test_mc_values_by_definition_equal_the_forks(model, monkeypatch):
