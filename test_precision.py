@@ -533,24 +533,25 @@ def test_a_part_over_its_budget_fails_and_the_report_goes_on(tmp_path):
 
 
 def test_mc_token_count_hand_case(tmp_path):
-    """One problem, response '\\na\\nb\\n#### 1\\n' + EOS (13 char tokens), steps at tokens 0 and 2:
-    per iteration 2 responses of 13; MC 3 x (13 from the prompt, once, + 2 x 11 from step 2)."""
+    """One problem, response '\\na\\nb\\n#### 1\\n' + EOS (13 char tokens), steps at tokens 0, 3
+    and 5: per iteration 2 responses of 13; MC 3 x (13 from the prompt, once, + 2 x (10 + 8)
+    from steps 1 and 2)."""
     from transformers import AutoTokenizer
     models.build_tiny_model(str(tmp_path), seed=0)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     problems = [{"question": "Q?", "answer": "a\nb\n#### 1"}]
     counted = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3)
-    assert counted["response_tokens"] == 13 and counted["steps"] == 2
+    assert counted["response_tokens"] == 13 and counted["steps"] == 3
     assert (counted["response_tokens_per_iteration"] == 26
-            and counted["mc_tokens_per_iteration"] == 105)
+            and counted["mc_tokens_per_iteration"] == 147)
     assert counted["straggler"] == 1.0
     # BOS + the prompt's 34 characters
     assert counted["rows_per_generate_call"] == 524288 // (35 + 1024)
-    # and '\n#### 1\n' + EOS, 9 tokens, one step: means 11 tokens and 5.5 after the first step; the
+    # and '\n#### 1\n' + EOS, 9 tokens, one step: means 11 tokens and 9 after the first step; the
     # longest of 495 rows drawn from both is (surely) 13
     problems.append({"question": "Q?", "answer": "#### 1"})
     both = bench.mc_token_count(tok, problems, prompts=1, samples=2, k=3)
-    assert both["mc_tokens_per_iteration"] == 3 * (11 + 2 * 5.5) and both["straggler"] == 13 / 11
+    assert both["mc_tokens_per_iteration"] == 3 * (11 + 2 * 9) and both["straggler"] == 13 / 11
     capped = bench.mc_token_count(tok, problems[:1], prompts=1, samples=2, k=3, max_states=1)
     assert capped["mc_tokens_per_iteration"] == 3 * 13  # the prompt's state only
 
@@ -646,7 +647,7 @@ def test_a_failed_iteration_shows_no_figure_in_the_report(tmp_path, monkeypatch)
     The .md says so in their rows, with no measured figure; vineppo's row keeps its own.
     """
     from engineering.parallel import PHASES
-    for name in ("environment", "model_files", "generation"):
+    for name in ("environment", "model_files", "generation_speed"):
         monkeypatch.setattr(bench, name, lambda ctx, result: None)
     monkeypatch.setattr(bench, "choose_new_tokens", lambda ctx: {})
 

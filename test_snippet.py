@@ -34,7 +34,7 @@ golds = ["2+3=5\\n5-1=4\\n#### 4"] * 3
 # the model learns the right answer by heart first, so that continuations are sometimes right: values in (0, 1)
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 right = torch.tensor([prompts[0] + responses[0]])
-for _ in range(60):
+for _ in range(30):
     model(input_ids=right, labels=right).loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -99,4 +99,4 @@ def test_the_readme_snippet_runs_from_the_files_it_names(tmp_path):
     out = run_snippet(tmp_path, lambda folder: models.build_tiny_model(folder, seed=0))
     check_step_advantages(out)
     # not all 0 or 1: a real test of the sums
-    assert 0 < out["values"][0][0] < 1 or 0 < out["values"][1][1] < 1
+    assert any(0 < v < 1 for values in out["values"] for v in values), out["values"]

@@ -18,10 +18,12 @@ PROMPT = "What is 1+2+4-1?\n"
 GOLD = "1+2=3\n3+4=7\n7-1=6\n#### 6"
 RIGHT, WRONG = "\n1+2=3\n3+4=7\n7-1=6\n#### 6", "\n1+2=3\n3+4=8\n8-1=7\n#### 7"  # the slip: 3+4=8
 GROUP = [RIGHT, WRONG, RIGHT, "\n1+2=4\n4+4=8\n8-1=7\n#### 7", RIGHT]  # rewards 1 0 1 0 1
-# K = 4 continuations of each state of WRONG, keyed by the response so far: rewards 1110, 1010, 0000
+# K = 4 continuations of each state of WRONG, keyed by the response so far: rewards 1110, 1010,
+# 0000, 0000
 CONTINUATIONS = {"": [RIGHT, RIGHT, RIGHT, WRONG],
-                 "\n1+2=3": ["\n3+4=7\n7-1=6\n#### 6", "\n3+4=8\n8-1=7\n#### 7"] * 2,
-                 "\n1+2=3\n3+4=8": ["\n8-1=7\n#### 7"] * 4}
+                 "\n1+2=3\n": ["3+4=7\n7-1=6\n#### 6", "3+4=8\n8-1=7\n#### 7"] * 2,
+                 "\n1+2=3\n3+4=8\n": ["8-1=7\n#### 7"] * 4,
+                 "\n1+2=3\n3+4=8\n8-1=7\n": ["#### 7"] * 4}
 
 
 @pytest.fixture(scope="module")
@@ -59,26 +61,26 @@ def test_trace_numbers_match_hand_computation(tiny, monkeypatch):
     critic = value.Critic(policy.base_model, "scalar")
     rows = diagnose.trace_steps(policy, critic, group, wrong, 4, sampling)
     # the steps as training splits them, and nothing lost: their texts make the response
-    assert [r["text"] for r in rows] == ["\n1+2=3", "\n3+4=8", "\n8-1=7\n#### 7"]
+    assert [r["text"] for r in rows] == ["\n1+2=3\n", "3+4=8\n", "8-1=7\n", "#### 7"]
     assert "".join(r["text"] for r in rows) == WRONG
     # V_hat(s_i) the mean of the K rewards, its standard error sqrt(p(1-p)/K) by hand
-    assert [r["rewards"] for r in rows] == [[1, 1, 1, 0], [1, 0, 1, 0], [0, 0, 0, 0]]
-    assert [r["value"] for r in rows] == [0.75, 0.5, 0.0]
+    assert [r["rewards"] for r in rows] == [[1, 1, 1, 0], [1, 0, 1, 0], [0] * 4, [0] * 4]
+    assert [r["value"] for r in rows] == [0.75, 0.5, 0.0, 0.0]
     assert [r["se"] for r in rows] == pytest.approx([math.sqrt(0.75 * 0.25 / 4),
-                                                     math.sqrt(0.5 * 0.5 / 4), 0.0])
+                                                     math.sqrt(0.5 * 0.5 / 4), 0.0, 0.0])
     # A_i = V_hat(s_{i+1}) - V_hat(s_i), + R at the last; the sum telescopes to R - V_hat(s_0)
-    assert [r["vineppo"] for r in rows] == pytest.approx([0.5 - 0.75, 0.0 - 0.5, 0.0 + 0.0 - 0.0])
+    assert [r["vineppo"] for r in rows] == pytest.approx([0.5 - 0.75, 0.0 - 0.5, 0.0, 0.0 - 0.0])
     assert sum(r["vineppo"] for r in rows) == pytest.approx(0.0 - rows[0]["value"])
     # GRPO: (R - mean) / std of the group's rewards 1 0 1 0 1, on every step
-    assert [r["grpo"] for r in rows] == pytest.approx([(0 - 0.6) / math.sqrt(0.6 * 0.4)] * 3,
+    assert [r["grpo"] for r in rows] == pytest.approx([(0 - 0.6) / math.sqrt(0.6 * 0.4)] * 4,
                                                       abs=1e-5)
     # the critic read at each boundary, and the mean of R - V(s_t) over the step's tokens
     # (GAE, lambda = 1)
     prompt, response = group[wrong].prompt_ids, group[wrong].response_ids
     v = [diagnose.critic_value(critic, prompt, response[:t], 0) for t in range(len(response))]
     assert len(set(round(x, 3) for x in v)) > 3  # the check below can tell the states apart
-    bounds = [0, 6, 12, len(response)]
-    assert [r["critic_value"] for r in rows] == pytest.approx([v[b] for b in bounds[:3]], abs=1e-5)
+    bounds = [0, 7, 13, 19, len(response)]
+    assert [r["critic_value"] for r in rows] == pytest.approx([v[b] for b in bounds[:4]], abs=1e-5)
     assert [r["ppo"] for r in rows] == pytest.approx([0.0 - sum(v[lo:hi]) / (hi - lo)
                                                       for lo, hi in zip(bounds, bounds[1:])],
                                                      abs=1e-5)

@@ -1487,12 +1487,13 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
     out, data = tmp_path / "out", tmp_path / "coin.jsonl"
     data.write_text("".join(json.dumps(problem) + "\n" for problem in COIN_FLIP))
     task = ["--data", str(data), "--eval-data", str(data), "--sft-steps", "40", "--sft-lr", "5e-3"]
-    script = tmp_path / "run.py"  # train.py's main, then each process saves the weights it holds
+    # train.py's main, then each process saves the weights it holds (beside --out, not in it)
+    script = tmp_path / "run.py"
     script.write_text(f"import os, sys, torch\nsys.path.insert(0, {HERE!r})\nimport train\n"
                       "from engineering import parallel\n"
                       "policy = train.main(train.parse_args(sys.argv[1:]))\n"
                       "weights = parallel.full_state_dict(policy)\n"  # FSDP: all shards gathered
-                      f"torch.save(weights, os.path.join({str(out)!r}, "
+                      f"torch.save(weights, os.path.join({str(tmp_path)!r}, "
                       "'rank' + os.environ['RANK'] + '.pt'))\n"
                       "parallel.close()\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -1508,7 +1509,7 @@ def test_torchrun_two_processes_stay_in_sync(tmp_path, algo, shard):
     sft_split = AutoModelForCausalLM.from_pretrained(out / "reference").state_dict()
     # SFT split over processes = SFT alone
     assert all(torch.allclose(sft_alone[k], sft_split[k], atol=1e-6) for k in sft_alone)
-    w0, w1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
     saved = AutoModelForCausalLM.from_pretrained(out / "checkpoint").state_dict()
     # after SFT, before RL
