@@ -133,8 +133,8 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
         # transformers 5 calls the KV cache `cache` (formerly past_key_values)
         cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
         c, f = fork.continue_from_cache(model, [prefixes[j] for j in part], k,
-                                              [budgets[j] for j in part], sampling, cache=cache,
-                                              rows=list(range(len(part))))
+                                        [budgets[j] for j in part], sampling, cache=cache,
+                                        rows=list(range(len(part))))
         for j, cj, fj in zip(part, c, f):
             conts[j], finished[j] = cj, fj
     return conts, finished

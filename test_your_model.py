@@ -286,8 +286,9 @@ def positions_end_at(name: str, context: int):
 @pytest.mark.parametrize("name", ["gpt2", "opt"])
 def test_no_row_decodes_past_a_learned_position_table(name, monkeypatch):
     """A long prefix with little room and a short one with much, in one call: forked, encoded
-    afresh, and sampled from prompts, no row is fed a position past the table (IndexError at
-    59a0332), and greedy, each row is what its prefix alone gives within its room."""
+    afresh, sampled from prompts and by definition (--no-fork), no row is fed a position past
+    the table (IndexError at 59a0332), and greedy, each row is what its prefix alone gives
+    within its room."""
     model = positions_end_at(name, 64).double()
     # one batch, as a larger model's would be (a tiny one pays little for a batch more)
     monkeypatch.setattr(batching, "batch_overhead", lambda model: 10 ** 6)
@@ -301,12 +302,13 @@ def test_no_row_decodes_past_a_learned_position_table(name, monkeypatch):
              for p, n in zip(seqs, (4, 40))]  # 64 - 60: the long row's room
     _, cache = rollout.token_logprobs(model, *rollout.pad_right(seqs, 0), 1.0, keep_cache=True)
     forked = fork.continue_from_cache(model, seqs, 2, [40, 40], greedy, cache=cache,
-                                            rows=[0, 1])[0]
+                                      rows=[0, 1])[0]
     sampled = rollout.sample(model, seqs, 2, [40, 40], greedy)[0]
     monkeypatch.setattr(fork, "forkable", lambda cache: False)
     afresh = fork.continue_from_cache(model, seqs, 2, [40, 40], greedy, cache=cache,
-                                            rows=[0, 1])[0]
-    assert forked == sampled == afresh == [[a, a] for a in alone]
+                                      rows=[0, 1])[0]
+    by_definition = vine.continuations_by_definition(model, seqs, 2, [40, 40], greedy)[0]
+    assert forked == sampled == afresh == by_definition == [[a, a] for a in alone]
 
 
 @pytest.mark.slow

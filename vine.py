@@ -152,13 +152,12 @@ def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: in
     continuation at a time that way."""
     holders = [states[key] for key in keys]  # (e, b): episodes[e], row e of the cache, holds it
     budgets = [sampling.max_new_tokens - b for _, b in holders]  # what the response's b leaves
+    prefixes = [list(key) for key in keys]  # prompt + response up to the step start
     if cache is None:
-        conts, finished = continuations_by_definition(model, [list(key) for key in keys], k,
-                                                      budgets, sampling)
+        conts, finished = continuations_by_definition(model, prefixes, k, budgets, sampling)
     else:
-        conts, finished = fork.continue_from_cache(model, [list(key) for key in keys], k,
-                                                         budgets, sampling, cache=cache,
-                                                         rows=[e for e, _ in holders])
+        conts, finished = fork.continue_from_cache(model, prefixes, k, budgets, sampling,
+                                                   cache=cache, rows=[e for e, _ in holders])
     rewards = []
     for (e, b), continuations, stopped in zip(holders, conts, finished):
         prefix = episodes[e].response_ids[:b]
@@ -172,8 +171,10 @@ def continuations_by_definition(model, states: list[list[int]], k: int, budgets:
                                 sampling):
     """k continuations of each state and whether each finished (lists [n][k]), by definition:
     the state encoded afresh, and `generate` samples k rows of what follows it.
-    Each row is cut after its end id, to its budget and before the stop string
-    (generation.finish); it is finished when it stopped by itself."""
+    Each budget is cut to what the model's context leaves (generation.within_context); each row
+    is cut after its end id, to its budget and before the stop string (generation.finish); it
+    is finished when it stopped by itself."""
+    budgets = generation.within_context(model, states, budgets)
     device, conts, finished = next(model.parameters()).device, [], []
     for state, budget in zip(states, budgets):
         ids = torch.tensor([state] * k, device=device)  # [k, len(state)]
