@@ -367,15 +367,21 @@ def settings_to_compare(k: int) -> dict:
                                                                  reuse=True)}
 
 
+def sampled_episodes(a, tok, policy, sampling, problems) -> list:
+    """--group responses to each problem, from --seed, cut into steps as training cuts them."""
+    torch.manual_seed(a.seed)
+    batch = [{**p, "prompt_ids": encode_prompt(tok, p["prompt"])} for p in problems]
+    episodes = rollout.sample_episodes(policy, batch, a.group, sampling)
+    vine.split_steps(episodes, tok)
+    return episodes
+
+
 def newline_odds(a, tok, policy, sampling, problems, out):
     """pi(token | the text before it) of each token that ends a step with its '\\n' (every step
     but the last, the answer's), at the sampling temperature: under the reference's rule the
     state is the text before that token, and it is a state only when that token follows.
     Printed: their count, mean and 5th percentile; OUT/newline_odds.json holds them all."""
-    torch.manual_seed(a.seed)
-    batch = [{**p, "prompt_ids": encode_prompt(tok, p["prompt"])} for p in problems]
-    episodes = rollout.sample_episodes(policy, batch, a.group, sampling)
-    vine.split_steps(episodes, tok)
+    episodes = sampled_episodes(a, tok, policy, sampling, problems)
     rollout.old_logprobs(policy, episodes, sampling.temperature, sampling.pad_id)
     odds = sorted(math.exp(ep.old_logp[b - 1]) for ep in episodes for b in ep.step_starts[1:])
     if not odds:
@@ -390,10 +396,7 @@ def newline_odds(a, tok, policy, sampling, problems, out):
 
 
 def mc_settings(a, tok, policy, sampling, problems, out):
-    torch.manual_seed(a.seed)
-    batch = [{**p, "prompt_ids": encode_prompt(tok, p["prompt"])} for p in problems]
-    episodes = rollout.sample_episodes(policy, batch, a.group, sampling)
-    vine.split_steps(episodes, tok)
+    episodes = sampled_episodes(a, tok, policy, sampling, problems)
     key = lambda ep, b: tuple(ep.prompt_ids + ep.response_ids[:b])
     states = vine.distinct_states(episodes)
     rewards = vine.continuation_rewards(policy, episodes, None, states, list(states),

@@ -129,6 +129,31 @@ def test_trace_command_end_to_end(tiny, tmp_path, capsys):
         diagnose.main(args + ["--overwrite", "--critic-checkpoint", path])
 
 
+def test_newline_odds_by_hand(tiny, tmp_path, monkeypatch, capsys):
+    """diagnose.py --newline-odds on the scripted group: each of its five responses has three
+    lines before the answer, so 15 line ends; each odd is the policy's softmax(logits / T) of
+    the '\\n' after the text before it, from a forward pass of its own."""
+    path, tok, policy = tiny
+    scripted(monkeypatch, tok)
+    problem = load_problems("arith", "test", hold_out=True)[0]
+    monkeypatch.setattr(diagnose, "load_problems", lambda *args, **kw: [problem])
+    diagnose.main(["--newline-odds", "--checkpoint", path, "--out", str(tmp_path),
+                   "--trajectories", "1", "--group", "5"])
+    result = json.load(open(tmp_path / "newline_odds.json"))
+    prompt = diagnose.encode_prompt(tok, problem["prompt"])
+    newline = tok("\n", add_special_tokens=False).input_ids[-1]
+    hand = []
+    for text in GROUP:
+        ids = tok(text, add_special_tokens=False).input_ids
+        for end in [t for t, i in enumerate(ids) if i == newline][1:]:  # the leading one: blank
+            with torch.no_grad():
+                logits = policy(torch.tensor([prompt + ids[:end]])).logits[0, -1] / 0.6
+            hand.append(torch.softmax(logits, -1)[newline].item())
+    assert result["line_ends"] == 15 == len(hand)
+    assert result["odds"] == pytest.approx(sorted(hand), rel=1e-5)
+    assert "15 line ends of 5 responses" in capsys.readouterr().out
+
+
 def test_mc_settings_command_end_to_end(tiny, tmp_path, capsys):
     """diagnose.py --mc-settings: every setting measured on one batch; fixed K spends exactly K
     per state, top-up at most K; the named setting is the cheapest within 0.02 of fixed K's
