@@ -619,10 +619,10 @@ def model_files(ctx, result):
 def generation_speed(ctx, result):
     """Tokens/s of plain sampling and of the fork benchmark, in train.py's precision (bf16 autocast
     over fp32 weights); plain sampling once more with the weights themselves in bf16."""
-    shape, fork, train = ctx.mode["shape"], ctx.mode["fork"], ctx.mode["train"]
+    shape, fork_mode, train = ctx.mode["shape"], ctx.mode["fork"], ctx.mode["train"]
     sizes = {k: shape[k]
              for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")}
-    a = argparse.Namespace(**sizes, **fork, seed=0, dtype="float32", device=ctx.device,
+    a = argparse.Namespace(**sizes, **fork_mode, seed=0, dtype="float32", device=ctx.device,
                            temperature=0.6, top_p=0.9)
     model = build_model(a)
     autocast = torch.autocast(torch.device(ctx.device).type, dtype=torch.bfloat16)
@@ -638,7 +638,8 @@ def generation_speed(ctx, result):
         forks = speed(a, model, only=("fork-batch", "fork-gather", "decode-only", "forward"),
                       autocast=autocast)
     n = forks["continuation_tokens"]
-    result["fork"] = dict(rows=fork["trajectories"] * fork["states"] * fork["k"],
+    result["fork"] = dict(rows=fork_mode["trajectories"] * fork_mode["states"]
+                          * fork_mode["k"],
                           continuation_tokens=n,
                           mean_state_len=forks["mean_state_len"], median_s=forks["median_s"],
                           tokens_per_s={k: n / s for k, s in forks["median_s"].items()
@@ -678,8 +679,8 @@ def rate(report: dict, rows: int | None = None, precision: str = "autocast") -> 
     method."""
     generation = report["parts"].get("generation", {})
     if rows is None:
-        fork = generation.get("fork") or {}
-        return (fork.get("tokens_per_s") or {}).get(fork.get("default_method"))
+        fork_result = generation.get("fork") or {}
+        return (fork_result.get("tokens_per_s") or {}).get(fork_result.get("default_method"))
     return next((p["tokens_per_s"] for p in generation.get("plain", []) if p["rows"] == rows
                  and p["precision"] == precision), None)
 
@@ -688,7 +689,7 @@ def choose_new_tokens(ctx) -> dict:
     """The response budget of the iterations: the largest of L, L/2, L/4, ... whose VinePPO
     generation, predicted from the measured rates, takes at most a quarter of the VinePPO part's
     budget (it runs two iterations); L without rates."""
-    train, fork = ctx.mode["train"], ctx.mode["fork"]
+    train, fork_mode = ctx.mode["train"], ctx.mode["fork"]
     rows = train["prompts"] * train["samples"]
     plain_rate, fork_rate = rate(ctx.report, rows), rate(ctx.report)
     chosen = {"max_new_tokens": train["max_new_tokens"], "predicted_generation_s": None}
@@ -698,7 +699,7 @@ def choose_new_tokens(ctx) -> dict:
         # the prompt, then a line per newline_every tokens
         states = 1 + budget // train["newline_every"]
         # each runs the rest, L/2 on average
-        mc = fork["k"] * (train["prompts"] + rows * (states - 1)) * budget / 2
+        mc = fork_mode["k"] * (train["prompts"] + rows * (states - 1)) * budget / 2
         predicted = rows * budget / plain_rate + mc / fork_rate
         chosen = {"max_new_tokens": max(budget, 2), "predicted_generation_s": round(predicted, 2)}
         if predicted <= ctx.mode["budgets"]["iteration_vineppo"] / 4:
@@ -893,23 +894,24 @@ def generation_table(generation: dict) -> list[str]:
         lines.append(f"| plain sampling ({p['precision']}): {p['prompt_tokens']}-token prompts, "
                      f"{p['new_tokens']} new tokens | {p['rows']} | {p['tokens']:,} | "
                      f"{p['seconds']:.2f} | {p['tokens_per_s']:,.0f} |")
-    fork = generation.get("fork")
-    for name, seconds in (fork or {}).get("median_s", {}).items():
-        tokens_per_s = fork["tokens_per_s"].get(name)
-        what = (f"{name}: MC continuations, states of {fork['mean_state_len']} tokens on average"
+    fork_result = generation.get("fork")
+    for name, seconds in (fork_result or {}).get("median_s", {}).items():
+        tokens_per_s = fork_result["tokens_per_s"].get(name)
+        what = (f"{name}: MC continuations, states of {fork_result['mean_state_len']} tokens "
+                "on average"
                 if tokens_per_s
                 else "forward: the log-prob pass that keeps the cache (not generation)")
-        lines.append(f"| {what} | {fork['rows'] if tokens_per_s else '—'} | "
-                     f"{cell(fork['continuation_tokens'] if tokens_per_s else None)} | "
+        lines.append(f"| {what} | {fork_result['rows'] if tokens_per_s else '—'} | "
+                     f"{cell(fork_result['continuation_tokens'] if tokens_per_s else None)} | "
                      f"{seconds:.2f} | {cell(tokens_per_s, ',.0f')} |")
-    if fork:
+    if fork_result:
         def ratio(key):  # the median of the pairs, and their min-max where the report has it
-            spread = fork.get(key + "_spread")
-            return cell(fork[key], ".2f") + (f" (min-max {spread[0]:.2f}-{spread[1]:.2f})"
-                                             if spread else "")
+            spread = fork_result.get(key + "_spread")
+            return cell(fork_result[key], ".2f") + (
+                f" (min-max {spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
         lines += ["", f"fork-gather / fork-batch (copy) {ratio('gather_vs_copy')}; fork-batch / "
                       f"decode-only {ratio('overhead_vs_decode_only')}, medians of pairs timed "
-                      f"back to back; train.py forks here by {fork['default_method']}."]
+                      f"back to back; train.py forks here by {fork_result['default_method']}."]
     return lines + [""]
 
 
