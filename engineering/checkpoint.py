@@ -27,8 +27,7 @@ def record_settings(cfg, resumed_at: int | None = None):
     the settings changed since (settings.with_history), and says them."""
     if parallel.rank() != 0:
         return
-    values, defaults = (dataclasses.asdict(cfg),
-                        {f.name: f.default for f in dataclasses.fields(cfg)})
+    values, defaults = dataclasses.asdict(cfg), settings.defaults(cfg)
     quoted = lambda v: ((repr(v) if "\n" in v else shlex.quote(v))  # a template
                         if isinstance(v, str) else v)
     flag = lambda k, v: f"--{k.replace('_', '-')}" + ("" if v is True else f" {quoted(v)}")
@@ -37,8 +36,8 @@ def record_settings(cfg, resumed_at: int | None = None):
     tqdm.write(f"settings ({path} has all): {' '.join(changed) or 'the defaults'}")
     record = {**values, "data_files": data_files(cfg)}
     if resumed_at is not None:
-        record, changes = settings.with_history({**defaults, **recorded_settings(cfg.out)},
-                                                record, resumed_at + 1, settings.unused(cfg))
+        record, changes = settings.with_history(run_with(cfg), record, resumed_at + 1,
+                                                settings.unused(cfg))
         if changes:
             tqdm.write(f"--resume: from iteration {resumed_at + 1} on, {', '.join(changes)}; "
                        f"{path} keeps each one's history")
@@ -175,12 +174,16 @@ def find_resume(cfg) -> tuple[str | None, dict | None]:
     return path, state
 
 
+def run_with(cfg) -> dict:
+    """The settings the run in --out recorded; one newer than the run takes its default."""
+    return {**settings.defaults(cfg), **recorded_settings(cfg.out)}
+
+
 def check_schedule(cfg, steps: int):
     """--resume: the restored LR schedules count optimizer steps, `steps` an iteration now
     (settings.steps_per_iteration, once --prompts-per-iter fits the data); another number is
     refused."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    before = settings.steps_per_iteration({**defaults, **recorded_settings(cfg.out)})
+    before = settings.steps_per_iteration(run_with(cfg))
     if before != steps:
         raise DataError(f"--resume: {cfg.out} was written with {before} optimizer steps an "
                         f"iteration, not {steps} (--epochs x --prompts-per-iter x "

@@ -214,6 +214,11 @@ KEPT_ON_RESUME = {
 NOT_RECORDED = ("out", "resume", "overwrite", "iterations", "data_files")
 
 
+def defaults(config) -> dict:
+    """Each setting's default (a preset's not applied)."""
+    return {f.name: f.default for f in dataclasses.fields(config)}
+
+
 def unused(cfg) -> set:
     """The settings this run does not read: those ignored() names, and SFT's without SFT."""
     return set(ignored(cfg)) | ({"sft_lr", "sft_batch"} if not cfg.sft_steps else set())
@@ -222,9 +227,9 @@ def unused(cfg) -> set:
 def refused_on_resume(cfg, written: dict) -> str:
     """Why a run cannot resume with cfg ('' if it can): the first setting of KEPT_ON_RESUME that
     differs from the one `written` (its config.json) records, and why."""
-    defaults, skipped = {f.name: f.default for f in dataclasses.fields(cfg)}, unused(cfg)
+    default, skipped = defaults(cfg), unused(cfg)
     for key, why in KEPT_ON_RESUME.items():
-        before, now = written.get(key, defaults[key]), getattr(cfg, key)  # newer: its default
+        before, now = written.get(key, default[key]), getattr(cfg, key)  # newer: its default
         if before != now and key not in skipped:
             return (f"written with --{key.replace('_', '-')} {before!r}, not {now!r}; "
                     + why.format(written=repr(before)))
