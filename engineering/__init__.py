@@ -11,4 +11,4 @@ lock, resume, atomic saves, one-line errors). What it decides that changes the n
 - sft.sft_example, sft.sft_warm_start: the SFT start (a loss on the response's tokens only);
 - start.load_run, start.fit_prompts_per_iter: the KL reference and the critic's backbone
   copied from the policy after SFT, the LR schedule sized to the prompts that run;
-- parallel.backward_share, parallel.wrap: a micro-batch's share of the loss, DDP or FSDP2."""
+- parallel.wrap: DDP or FSDP2 (the update's gradient across processes: ppo.py)."""

@@ -1,12 +1,13 @@
 """Several processes under torchrun (DDP, or FSDP2 with --fsdp); in one process, identities and
-plain calls. Also the update's steps across processes (ppo.py: a minibatch's statistics, a
-non-finite loss) and an iteration's metrics row, merged over the processes and logged by the first.
+plain calls. Also the update's statistics (ppo.py: a minibatch's, merged over the processes)
+and an iteration's metrics row, merged over the processes and logged by the first.
 Needs no sibling. All engineering: a first reading may skip this file (and every line that
 mentions it)."""
 import json
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -137,26 +138,47 @@ def load_optimizer_state(model, optim, saved: dict):
         optim.load_state_dict(saved)
 
 
-# ---- PPO's update across processes: each minibatch's statistics, a non-finite loss -------------
+# ---- PPO's update: each minibatch's statistics, merged over the processes ----------------------
 
 
-def minibatch_stats(shares: list[dict], keys, device) -> dict:
-    """The minibatch's statistics: its micro-batches' shares summed, over all processes too, so
-    every process logs the whole minibatch's (a non-finite micro-batch's share is left out)."""
-    sums = torch.tensor([sum(s[k] for s in shares) for k in keys], dtype=torch.float64,
-                        device=device)
-    return dict(zip(keys, all_reduce_sum(sums).tolist()))
+# logged per minibatch, then averaged over the iteration
+POLICY_STATS = ("kl", "policy_loss", "clipfrac", "approx_kl", "ratio")
+CRITIC_STATS = ("value_loss", "value_clipfrac")
 
 
-def backward_share(loss, stats: dict, into: list):
-    """Backward of a micro-batch's share of the minibatch's loss; its stats kept when finite.
+@dataclass
+class UpdateLog:
+    """What ppo.ppo_update reports: each minibatch's statistics, and the steps it skipped."""
+    policy: list = field(default_factory=list)  # one dict of POLICY_STATS per minibatch
+    critic: list = field(default_factory=list)  # one dict of CRITIC_STATS per minibatch
+    grad_norms: list = field(default_factory=list)  # the policy's, before clipping
+    skipped_batches: float = 0  # micro-batches whose ratio exceeded max_ratio (ppo_loss)
+    nonfinite_skips: int = 0    # steps skipped for a non-finite loss or gradient norm
 
-    A non-finite loss runs backward too (under DDP every process must): the gradient norm turns
-    non-finite and the whole step is skipped (ppo.optimizer_step), in one process as in several."""
-    if torch.isfinite(loss):
-        into.append(stats)
-    # DDP and FSDP average the processes' gradients: x world size makes them the minibatch's mean
-    (loss * world_size()).backward()
+    def minibatch(self, policy_parts: list[dict], critic_parts: list[dict], device):
+        """Record a minibatch's statistics: its micro-batches' parts summed, over all processes
+        too, so every process logs the whole minibatch's (a non-finite part is left out)."""
+        for parts, keys, into in ((policy_parts, POLICY_STATS, self.policy),
+                                  (critic_parts, CRITIC_STATS, self.critic)):
+            if parts:
+                sums = torch.tensor([sum(s[k] for s in parts) for k in keys],
+                                    dtype=torch.float64, device=device)
+                into.append(dict(zip(keys, all_reduce_sum(sums).tolist())))
+
+    def stepped(self, norm: float | None, is_policy: bool):
+        """Record a learner's step: its gradient norm, or None for a step skipped."""
+        # every process holds the same norm: the first counts a skipped step
+        self.nonfinite_skips += norm is None and rank() == 0
+        if is_policy and norm is not None:
+            self.grad_norms.append(norm)
+
+    def summary(self) -> dict:
+        mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+        out = {k: mean(self.policy, k) for k in POLICY_STATS if self.policy}
+        out.update({k: mean(self.critic, k) for k in CRITIC_STATS if self.critic})
+        return {**out, "skipped_batches": int(self.skipped_batches),
+                "nonfinite_skips": int(self.nonfinite_skips),
+                "grad_norm": sum(self.grad_norms) / max(1, len(self.grad_norms))}
 
 
 # ---- an iteration's metrics row: merged over the processes, logged by the first ------------------
