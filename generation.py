@@ -19,7 +19,7 @@ def generate(model, sampling, **inputs):
     """Call HF `generate` with decoding's settings and no others: softmax(logits / T) with
     top-p, or the argmax when greedy. At top-p 1 this is exactly the distribution the log-probs
     model. generate fills every setting a call leaves unset (repetition_penalty, min_p, top_k,
-    ...) from model.generation_config, even when given a GenerationConfig, so it is set aside."""
+    ...) from model.generation_config, even when given a GenerationConfig, so that is set aside."""
     own, model.generation_config = model.generation_config, GenerationConfig()  # all unset
     try:
         return model.generate(**inputs, **decoding(sampling))
