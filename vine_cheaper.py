@@ -139,9 +139,9 @@ def responses_through(states: dict, episodes: list[rollout.Episode]) -> dict:
 
 
 def sampling_rounds(model, episodes, cache, states: dict, wanted: dict, sampling, more=None):
-    """Sample wanted[state] continuations of each state, then more(rewards) more while it is
-    > 0; return {state: its continuations' rewards} and their tokens. Each round is one
-    continuation_rewards call, n rows a state when all want n, else a state once per continuation."""
+    """Sample wanted[state] continuations of each state, then more(rewards) more while positive;
+    return {state: its continuations' rewards} and their token count. Each round is one call of
+    continuation_rewards, n rows a state when all want n, else a state once per continuation."""
     rewards, tokens = {key: [] for key in states}, 0
     todo = {key: n for key, n in wanted.items() if n > 0}
     while todo:
