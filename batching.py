@@ -1,16 +1,17 @@
-"""Batches of least padding: how `rollout.sample` cuts its prompts and fork.fork_batches
-VinePPO's states into `generate` calls, and how the log-prob, value and reference passes cut
-episodes into forward passes, within a token budget.
-All engineering: a first reading may skip this file."""
+"""This file cuts work into batches of least padding within a token budget.
+
+rollout.sample and fork.fork_batches cut prompts and VinePPO's states into `generate` calls
+with it, and the log-prob, value and reference passes cut episodes into forward passes. All of
+it is engineering: a first reading may skip this file."""
 
 
 def least_padding(lengths: list[int], budgets: list[int], copies: list[int], max_tokens: int,
                   overhead: int = 0):
-    """Batches (lists of item indices) of least padding plus `overhead` tokens per batch.
+    """Cut the items into batches (lists of indices) of least padding plus `overhead` per batch.
 
     - item j is copies[j] rows of lengths[j] tokens with room for budgets[j] new ones;
     - a batch costs its rows x (longest length + largest budget) tokens, at most max_tokens
-      (an item over it goes alone); fewest batches on a tie;
+      (an item over it goes alone); on a tie the fewest batches win;
     - a dynamic programme over the cut points of the items sorted by length: best[i], the
       cheapest batching of the first i, is best[j] plus the cost of batch j..i-1 at the best j."""
     order = sorted(range(len(lengths)), key=lambda j: (lengths[j], budgets[j]))
@@ -44,10 +45,10 @@ def padding_fraction(batches, lengths: list[int], budgets: list[int], copies: li
 
 
 def batch_overhead(model) -> int:
-    """What one more generate batch costs, in padded positions: a decoding step reads every weight
-    once per batch, and each cached position's keys and values once per row and layer, so a batch
-    costs what params / (2 x layers x key/value width) padded positions do (2: keys and values;
-    bench.py's 58M model: 7,089; fitted to its decoding times on a CPU: 8,055)."""
+    """What one more generate batch costs, in padded positions. A decoding step reads every
+    weight once per batch, and each cached position's keys and values once per row and layer,
+    so a batch costs what params / (2 x layers x key/value width) padded positions do, the 2 for
+    keys and values (docs/speed-and-memory.md measures it)."""
     config = model.config
     heads = config.num_attention_heads
     width = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -56,10 +57,10 @@ def batch_overhead(model) -> int:
 
 
 def group_chunks(episodes, max_tokens: int, overhead: int | None = None):
-    """Episodes in batches of at most max_tokens (rows x longest) and least padding plus `overhead`
-    tokens per batch (least_padding; None: the fewest batches, as each is a log-prob pass and, for
-    VinePPO, its own MC sample calls), never splitting a prompt's samples (identical states meet);
-    in episode order."""
+    """Yield the episodes in batches of at most max_tokens (rows x longest), in episode order.
+    They have least padding plus `overhead` tokens per batch (least_padding), or with None the
+    fewest batches, as each is a log-prob pass and, for VinePPO, its own MC sample calls. A
+    prompt's samples are never split, so identical states meet in one batch."""
     members = {}  # group -> its episodes' indices
     for e, ep in enumerate(episodes):
         members.setdefault(ep.group, []).append(e)

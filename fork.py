@@ -1,27 +1,27 @@
-"""The fork: VinePPO's environment reset (arXiv 2410.01679v1, §3) without encoding a state again.
+"""This file samples continuations of a state without encoding it again, by forking a KV cache.
 
-A continuation of a state is, by definition, what `generate` samples after the state is encoded
-afresh (vine.continuations_by_definition). The fork gets the same continuations faster: the
-state's keys and values are copied out of the KV cache of the pass that already encoded it (the
+That is VinePPO's environment reset (arXiv 2410.01679v1, §3), made cheap. A continuation of a
+state is, by definition, what `generate` samples after the state is encoded afresh
+(vine.continuations_by_definition). The fork gets the same continuations faster: the state's
+keys and values are copied out of the KV cache of the pass that already encoded it (the
 old-log-prob pass, or rollout.sample's encoding of the prompts), k times, into buffers with room
 to decode on, and `generate` samples on from there; many states go in one `generate` call.
-Greedy, the two give the same tokens (test_vine.py: test_mc_values_by_definition_equal_the_forks;
-test_your_model.py: test_greedy_continuations_of_every_state_equal_a_fresh_encode, on 13
-architectures). What fork relies on in transformers 5, which those tests would catch changing:
+With greedy decoding the two give the same tokens (test_vine.py's
+test_mc_values_by_definition_equal_the_forks; test_your_model.py's
+test_greedy_continuations_of_every_state_equal_a_fresh_encode, on 13 architectures).
+The fork relies on three things in transformers 5, and those tests would catch a change:
 - a forward pass with use_cache returns `out.cache` (formerly past_key_values), a DynamicCache;
   iterating it yields each layer's (keys, values, ...), each [B, H, L, D];
 - `generate` feeds the model only the ids past the cache's length, and numbers a row's
   positions by the cumulative sum of its attention mask, minus one (test_vine.py's
-  test_what_the_fork_relies_on_in_generate shows both; in transformers v5.25.0, lines 4336,
-  704 and 923 of https://github.com/huggingface/transformers/blob/v5.25.0/src/transformers/
-  generation/utils.py);
+  test_what_the_fork_relies_on_in_generate shows both; docs/reference.md has the lines);
 - a cache layer is a DynamicLayer with `keys`, `values`, `is_initialized` and `update`
   (PreallocatedLayer).
 
-Read in order: fork_one_state (the whole idea, for one state), fork, copy_columns,
+Reading order: fork_one_state (the whole idea, for one state), fork, copy_columns,
 PreallocatedLayer; then continue_from_cache, which does the same for many states at once
-(within_context_batches, forkable, fresh_decode). Below the line: the GPU's gather, the batches
-of least padding and their reused buffers.
+(within_context_batches, forkable, fresh_decode). Below the line are the GPU's gather, the
+batches of least padding and their reused buffers.
 """
 import torch
 from transformers import DynamicCache
@@ -35,13 +35,13 @@ FORK_METHODS = ("copy", "gather")
 
 @torch.no_grad()
 def fork_one_state(model, cache, row: int, state: list[int], k: int, budget: int, sampling):
-    """k continuations of one state, forked from row `row` of `cache`, and whether each finished.
+    """Fork k continuations of one state from row `row` of `cache`; say whether each finished.
 
-    The plain version of continue_from_cache, to read first: one state, no batches, no reused
-    buffers, no fallback. The state's keys and values but its last token's are copied k times
-    (fork); `generate` feeds that last token, samples up to `budget` new ones after it, and
-    each row is cut as continue_from_cache cuts it (generation.finish). Greedy, the two give
-    the same tokens (test_vine.py: test_forked_greedy_equals_reencoded_greedy)."""
+    This is the plain version of continue_from_cache, to read first: one state, no batches, no
+    reused buffers, no fallback. The keys and values of the state's tokens but the last are
+    copied k times (fork); `generate` feeds that last token, samples up to `budget` new ones,
+    and each row is cut as continue_from_cache cuts it (generation.finish). With greedy decoding
+    the two give the same tokens (test_vine.py's test_forked_greedy_equals_reencoded_greedy)."""
     ids, mask, forked = fork(cache, [state], [row], k, budget, sampling.pad_id)  # ids [k, W]
     out = generation.generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
                               max_new_tokens=budget)
@@ -53,13 +53,13 @@ def fork_one_state(model, cache, row: int, state: list[int], k: int, budget: int
 @torch.no_grad()
 def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling,
                         *, cache, rows: list[int]):
-    """k continuations of each prefix, and their finished flags (lists [n][k]).
+    """Sample k continuations of each prefix from `cache`, and their finished flags ([n][k]).
 
-    Prefix j is row rows[j] of `cache`, a right-padded forward pass (its token t in column t):
-    the old-log-prob pass, whose row e holds episodes[e] (VinePPO's states), or
+    Prefix j is row rows[j] of `cache`, a right-padded forward pass (token t in column t). That
+    pass is the old-log-prob pass, whose row e holds episodes[e] (VinePPO's states), or
     rollout.sample's encoding of the prompts. sampling is a rollout.Sampling.
-    - the prefixes go to `generate` in batches of least padding (fork_batches); one batch's
-      buffers are alive at a time (allocate: the next batch reuses them);
+    - the prefixes go to `generate` in batches of least padding (fork_batches); only one batch's
+      buffers are alive at a time, as the next batch reuses them (allocate);
     - each batch is forked from the cache (fork) and decoded to its largest budget, or encoded
       afresh where fork cannot read the cache (forkable, fresh_decode); a batch where a row
       would pass the model's context is cut first (within_context_batches);
@@ -100,9 +100,9 @@ def continue_from_cache(model, prefixes: list[list[int]], k: int, budgets: list[
 
 
 def within_context_batches(part: list[int], prefixes, budgets: list[int], context: int):
-    """part, cut so that no row decodes past the context: a batch decodes every row to its
-    largest budget, so each row needs room for that (GPT-2's and OPT's position tables end
-    there). part itself when every row has room, as almost always."""
+    """Cut `part` so that no row decodes past the context, or return [part] when every row has
+    room, as almost always. A batch decodes every row to its largest budget, so each row needs
+    room for that (GPT-2's and OPT's position tables end at the context)."""
     room = lambda j: context - len(prefixes[j])
     if max(budgets[j] for j in part) <= min(map(room, part)):
         return [part]
@@ -116,16 +116,16 @@ def within_context_batches(part: list[int], prefixes, budgets: list[int], contex
 
 
 def forkable(cache) -> bool:
-    """Whether fork can read states out of this cache: every layer a DynamicLayer that holds
-    every position (a sliding-window layer keeps only the last window)."""
+    """Whether fork can read states out of this cache, i.e. every layer is a DynamicLayer that
+    holds every position (a sliding-window layer keeps only the last window)."""
     return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer
                                                    for layer in cache.layers)
 
 
 def fresh_decode(model, prefixes, k: int, budget: int, sampling):
-    """New ids of k continuations of each prefix, encoded afresh by `generate`, those of one
-    length together: no padding (a padded row can turn an eager sliding-window attention's
-    output to NaN)."""
+    """New ids of k continuations of each prefix, encoded afresh by `generate`. Prefixes of one
+    length go together, so nothing is padded (a padded row can turn an eager sliding-window
+    attention's output to NaN)."""
     device, new = next(model.parameters()).device, [None] * len(prefixes)
     for length in sorted(set(map(len, prefixes))):
         same = [j for j, p in enumerate(prefixes) if len(p) == length]
@@ -140,11 +140,11 @@ def fresh_decode(model, prefixes, k: int, budget: int, sampling):
 
 def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: int, pad_id: int,
          method: str | None = None, allocate=None):
-    """Reset to each prefix k times: ids [n*k, W], their mask, and a cache to decode on.
+    """Reset to each prefix k times; return ids [n*k, W], their mask, and a cache to decode on.
 
     Prefix j is row rows[j] of `cache`, a right-padded pass (old_logprobs', or sample's
-    encoding of the prompts): its token t's keys and values are in column t. One forked row,
-    a prefix of 4 tokens, W = 6 (the longest prefix given), the cache's capacity W-1 + new_tokens:
+    encoding of the prompts), so its token t's keys and values are in column t. One forked row
+    of a 4-token prefix, W = 6 (the longest prefix given), cache capacity W-1 + new_tokens:
 
         column   0    1    2    3    4    5    6 ...
         ids      pad  pad  p0   p1   p2   p3                  (W columns)
@@ -158,9 +158,9 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
       mask, so p0 is position 0 whatever its padding, as in the pass that made the cache; the
       copied keys keep the rotary positions that pass gave them, so p3 (fed at position 3) and
       the new tokens (4, 5, ...) see the keys a fresh encoding of the prefix makes (to rounding).
-    method "copy" (block copies, into buffers from `allocate` when given) or "gather" (the
-    default on a GPU: one indexed read per layer); the two give equal buffers. Two demo states'
-    forks, column by column: docs/one-response.md, step 5."""
+    `method` is "copy" (block copies, into buffers from `allocate` when given) or "gather" (one
+    indexed read per layer, the default on a GPU); the two give equal buffers.
+    docs/one-response.md, step 5, shows two demo states' forks column by column."""
     device, width = cache.layers[0].keys.device, max(map(len, prefixes))
     method = method or ("gather" if device.type == "cuda" else "copy")
     assert method in FORK_METHODS, method
@@ -189,8 +189,8 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
 
 def copy_columns(x, sources: list[int], ends: list[int], width: int, capacity: int, dtype,
                  allocate=None, slot=None):
-    """[n*k, H, capacity, D]: fork i's row of x ([B, H, L, D]) as fork draws it, by block
-    copies (on a CPU far faster than a gather); columns from W-1 on are left unwritten."""
+    """The [n*k, H, capacity, D] buffer, row i fork i's row of x ([B, H, L, D]) as fork draws
+    it, by block copies (on a CPU far faster than a gather); columns from W-1 on stay unwritten."""
     shape = (len(ends), x.shape[1], capacity, x.shape[3])
     buffer = allocate(slot, shape, dtype, x.device) if allocate else x.new_empty(shape, dtype=dtype)
     for i, (row, length) in enumerate(zip(sources, ends)):
@@ -200,7 +200,7 @@ def copy_columns(x, sources: list[int], ends: list[int], width: int, capacity: i
 
 
 class PreallocatedLayer(DynamicLayer):
-    """Cache buffers sized for the whole generation, written in place
+    """A cache layer with buffers sized for the whole generation, written in place
     (DynamicLayer's torch.cat was slow)."""
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
@@ -223,16 +223,16 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def fork_dtype(cache, device):
-    """One dtype for keys and values: autocast's when on (attention casts both to it anyway),
-    else the cache's."""
+    """The one dtype for keys and values: autocast's when it is on (attention casts both to it
+    anyway), else the cache's."""
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return cache.layers[0].values.dtype
 
 
 def gather_columns(x, sources: list[int], ends: list[int], width: int, capacity: int, dtype):
-    """copy_columns by one indexed read and one fill: a few large GPU kernels per layer
-    (the columns from W-1 on hold copies, overwritten as generate decodes)."""
+    """copy_columns done by one indexed read and one fill, a few large GPU kernels per layer.
+    The columns from W-1 on hold copies, which generate overwrites as it decodes."""
     device = x.device
     starts = width - torch.tensor(ends, device=device)[:, None]  # [n*k, 1]
     cols = torch.arange(capacity, device=device)[None, :] - starts  # [n*k, capacity]: c - start
@@ -244,16 +244,16 @@ def gather_columns(x, sources: list[int], ends: list[int], width: int, capacity:
 
 
 def fork_batches(model, prefixes, budgets: list[int], k: int, max_tokens: int):
-    """(batches of prefix indices, the allocator of their fork buffers) for continue_from_cache:
-    least padding within max_tokens (least_padding), one set of buffers reused."""
+    """Cut continue_from_cache's prefixes into batches of least padding within max_tokens
+    (least_padding); return them and one allocator whose buffers every batch reuses."""
     parts = batching.least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
                                    max_tokens, batching.batch_overhead(model))
     return parts, reused_buffers(largest_fork(parts, prefixes, budgets, k))
 
 
 def largest_fork(parts, prefixes, budgets, k: int) -> int:
-    """The cached positions of the largest fork among the parts:
-    rows x (longest prefix - 1 + largest budget), fork's capacity."""
+    """The cached positions of the largest fork among the parts, its rows times fork's
+    capacity (longest prefix - 1 + largest budget)."""
     return max(len(part) * k * (max(len(prefixes[j]) for j in part) - 1
                                 + max(budgets[j] for j in part)) for part in parts)
 
@@ -265,7 +265,7 @@ def reused_buffers(positions: int):
     made at the first fork for `positions` cached positions, the largest batch's. A CPU pays
     for a fresh page the first time it is touched, and buffers this large go back to the OS
     when freed, so each new batch would pay again (docs/speed-and-memory.md). Peak memory is
-    unchanged: the largest batch's."""
+    unchanged, the largest batch's."""
     flat = {}
 
     def allocate(slot, shape, dtype, device):  # shape [rows, H, columns, D]

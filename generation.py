@@ -1,8 +1,8 @@
-"""Sampling with HF `generate`: its settings, each row's budget and cut.
+"""This file samples with HF `generate` and decides each row's budget and where it is cut.
 
-- generate: softmax(logits / T) with top-p, and no setting of the model's own;
-- within_context: a row's budget, cut to what the model's context leaves;
-- finish: a row cut after its end id, to its budget and before the stop string.
+- generate samples from softmax(logits / T) with top-p, and no setting of the model's own;
+- within_context cuts a row's budget to what the model's context leaves;
+- finish cuts a row after its end id, to its budget and before the stop string.
 vine.continuations_by_definition samples MC continuations with these alone; fork.py gets the same
 continuations faster, from a KV cache. Below the line: the stop string's cut, generate's settings.
 """
@@ -16,11 +16,10 @@ def within_context(model, prefixes, budgets: list[int]) -> list[int]:
 
 
 def generate(model, sampling, **inputs):
-    """HF `generate` with decoding's settings and no others: softmax(logits / T) with top-p
-    (greedy: the argmax); at top-p 1, exactly the distribution the log-probs model.
-
-    generate fills every setting a call leaves unset from model.generation_config, even when
-    given a GenerationConfig (repetition_penalty, min_p, top_k, ...): it is set aside."""
+    """Call HF `generate` with decoding's settings and no others: softmax(logits / T) with
+    top-p, or the argmax when greedy. At top-p 1 this is exactly the distribution the log-probs
+    model. generate fills every setting a call leaves unset (repetition_penalty, min_p, top_k,
+    ...) from model.generation_config, even when given a GenerationConfig, so that is set aside."""
     own, model.generation_config = model.generation_config, GenerationConfig()  # all unset
     try:
         return model.generate(**inputs, **decoding(sampling))
@@ -30,12 +29,13 @@ def generate(model, sampling, **inputs):
 
 def finish(seq: list[int], budget: int, end_ids, tokenizer=None, stop: str | None = None,
            before=()):
-    """(row cut, finished): cut after its first end id, to its budget, and before `stop`.
+    """Cut a row after its first end id, to its budget and before `stop`; say if it finished.
 
     - generate pads a row that stopped early with eos_id (decoding's pad_token_id), so
       whatever follows the first end id is padding;
-    - end_ids: an id, or several (Sampling.stops: any ends it); a cut appends the first;
-    - a row is finished when it ends in an end id: it stopped by itself within its budget."""
+    - end_ids is one id or several (Sampling.stops), any of which ends a row; a cut appends
+      the first;
+    - a row is finished when it ends in an end id, i.e. it stopped by itself within its budget."""
     ends = (end_ids,) if isinstance(end_ids, int) else tuple(end_ids)
     first = next((t for t, token in enumerate(seq) if token in ends), None)
     seq = (seq if first is None else seq[: first + 1])[:budget]
@@ -48,16 +48,16 @@ def finish(seq: list[int], budget: int, end_ids, tokenizer=None, stop: str | Non
 
 
 def cut_before_stop(seq: list[int], ends: tuple, tokenizer, stop: str, before) -> list[int]:
-    """seq cut before the stop string, with ends[0] appended; seq as it is when it has none.
+    """Cut seq before the stop string and append ends[0]; leave seq as it is when it has none.
 
-    - text after the stop string is a next problem the model began inventing: cut off;
+    - text after the stop string is a next problem the model began inventing, so it is cut off;
     - the stop string counts where it ends in the row, even if it begins in the prefix
-      `before` (as generate sees it): an MC continuation stops, and is cut, where its response
-      would have;
+      `before` (as generate sees it), so an MC continuation stops, and is cut, where its
+      response would have;
     - HF stops at the token completing `stop` (the row's last), so `stop` lies in the last
       len(stop) tokens of prefix + row (each adds >= 1 character);
     - the token where `stop` begins goes too, with any text of its own before `stop` (byte-level
-      BPE can merge punctuation and newlines: a '.\n\n' token loses its '.')."""
+      BPE can merge punctuation and newlines, so a '.\n\n' token loses its '.')."""
     body = seq[:-1] if seq and seq[-1] in ends else seq
     tail = list(before)[-len(stop):]
     joined = tail + body
@@ -72,12 +72,12 @@ def cut_before_stop(seq: list[int], ends: tuple, tokenizer, stop: str, before) -
 
 
 def decoding(sampling) -> dict:
-    """`generate`'s settings for every sampling call.
+    """The settings `generate` gets in every sampling call.
 
     - any stop id or the stop string ends a row;
-    - synced_gpus False: each process decodes on its own (with FSDP, HF would lock them);
-    - top_k=0: generate's default top_k=50 would sample from a distribution the log-probs
-      do not model."""
+    - synced_gpus is False, so each process decodes on its own (with FSDP, HF would lock them);
+    - top_k is 0, since generate's default top_k=50 would sample from a distribution the
+      log-probs do not model."""
     stopping = dict(eos_token_id=list(sampling.stops), pad_token_id=sampling.eos_id,
                     stop_strings=sampling.stop, tokenizer=sampling.tokenizer, synced_gpus=False)
     if sampling.temperature > 0:

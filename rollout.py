@@ -1,12 +1,12 @@
-"""Sampling responses and their log-probs (arXiv 2410.01679v1, §3).
+"""This file samples responses to prompts and computes their log-probs (arXiv 2410.01679v1, §3).
 
-A prompt is encoded once; its KV cache is then forked k times, and HF `generate` samples on from
-each fork (fork.py). VinePPO's MC continuations take the same path from the old-log-prob
-pass's cache, which holds every state of a response (vine.py).
+Each prompt is encoded once; its KV cache is then forked k times, and HF `generate` samples on
+from each fork (fork.py). VinePPO's MC continuations take the same path, starting from the cache
+of the old-log-prob pass, which holds every state of a response (vine.py).
 
-Notation, here and in vine.py, value.py and ppo.py: a sequence is a prompt of P tokens, then a
-response of T; s_i is the state before reasoning step i (vine.py's MC values). The one figure of
-which column holds what (prompt <s> q1 q2, P = 3; response a b </s>, T = 3):
+Notation (here and in vine.py, value.py and ppo.py): a sequence is a prompt of P tokens followed
+by a response of T tokens, and s_i is the state before reasoning step i. This figure shows which
+column holds what, for the prompt <s> q1 q2 (P = 3) and the response a b </s> (T = 3):
 
     column c      0     1     2     3     4     5
     ids           <s>   q1    q2    a     b     </s>   right-padded: column c holds token c
@@ -15,12 +15,11 @@ which column holds what (prompt <s> q1 q2, P = 3; response a b </s>, T = 3):
     critic                    V_0   V_1   V_2   V_3    value.py: the state ending at token c,
                                                        [B, L]
 
-Response token j sits at column P-1+j in every [B, L-1] tensor (its log-prob, advantage, ...),
-as does V_j, the value of the state before it (rollout.response_columns).
+Response token j sits at column P-1+j in every [B, L-1] tensor (its log-prob, its advantage,
+...), and so does V_j, the value of the state before it (rollout.response_columns).
 
-Read in order: Sampling, Episode, sample_episodes, sample, old_logprobs, reference_logprobs,
-response_logprobs, pad_right, token_logprobs, response_columns, per_response.
-Below the line: small helpers.
+Reading order: Sampling, Episode, sample_episodes, sample, old_logprobs, reference_logprobs,
+response_logprobs, pad_right, token_logprobs, response_columns, per_response; helpers below.
 """
 from dataclasses import dataclass, field
 
@@ -37,18 +36,18 @@ LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax (a 32k vocabulary: 128 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How responses, MC continuations and evaluation answers are sampled.
+    """The settings for sampling responses, MC continuations and evaluation answers.
 
-    train.py's --temperature, --top-p, --max-new-tokens, --max-batch-tokens;
-    evaluation replaces the temperature."""
-    temperature: float   # softmax(logits / T); every log-prob divides by T too; 0: greedy
-    top_p: float         # nucleus sampling; the log-probs do not model it (1.0: exact)
-    max_new_tokens: int  # a response's budget; an MC continuation has what its prefix leaves
+    They come from train.py's --temperature, --top-p, --max-new-tokens and --max-batch-tokens;
+    evaluation replaces the temperature with its own."""
+    temperature: float   # sample softmax(logits / T); every log-prob divides by T too; 0 = greedy
+    top_p: float         # nucleus sampling, which the log-probs do not model (exact at 1.0)
+    max_new_tokens: int  # a response's budget; an MC continuation gets what its prefix leaves
     eos_id: int          # the id a finished response ends in (the stop string's cut appends it)
     pad_id: int
-    stop: str | None = None        # a string that ends a response (reward.STOP), cut off
-    tokenizer: object = None       # decodes: for the stop string and for grading
-    max_batch_tokens: int = 65536  # one generate call's budget: rows x (prefix + new tokens)
+    stop: str | None = None        # a string that ends a response and is cut off (reward.STOP)
+    tokenizer: object = None       # decodes text, for the stop string and for grading
+    max_batch_tokens: int = 65536  # one generate call's budget, rows x (prefix + new tokens)
     eos_ids: tuple[int, ...] = ()  # more ids that end a response (generation config, chat turn)
 
     @property
@@ -61,7 +60,8 @@ class Sampling:
 class Episode:
     """One sampled response and everything computed from it, in token space.
 
-    T = len(response_ids), n = the number of steps. Who fills what, in train.py's loop order:
+    T is len(response_ids) and n the number of steps. The table lists which function sets each
+    field, in the order of train.py's loop (phase number in brackets), and who reads it:
 
     field          shape / type  set by (phase)                          read by
     prompt_ids     list [P]      sample_episodes (2), the problem's      every forward pass
@@ -101,7 +101,7 @@ class Episode:
 
 
 def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> list[Episode]:
-    """k responses to each problem, graded (an unfinished response scores 0)."""
+    """Sample k responses to each problem and grade them; an unfinished response scores 0."""
     prompts = [p["prompt_ids"] for p in problems]
     conts, finished = sample(model, prompts, k, [sampling.max_new_tokens] * len(prompts),
                              sampling)
@@ -118,10 +118,10 @@ def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> 
 
 @torch.no_grad()
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling: Sampling):
-    """k continuations of each prefix, and their finished flags (lists [n][k]).
+    """Sample k continuations of each prefix; return them and their finished flags ([n][k]).
 
-    The prefixes are encoded, once each, in the batches they will decode in; then each batch's
-    cache is forked k times (fork.continue_from_cache)."""
+    Each prefix is encoded once, in the batch it will decode in, and that batch's cache is then
+    forked k times (fork.continue_from_cache)."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     budgets = generation.within_context(model, prefixes, budgets)
@@ -143,11 +143,11 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
 @torch.no_grad()
 def old_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int,
                  keep_cache: bool = False):
-    """Set ep.old_logp ([T]) by one forward pass over the episodes.
+    """Set each ep.old_logp ([T]) with one forward pass over the episodes.
 
-    Returns the pass's KV cache when keep_cache (row e holds episodes[e]: VinePPO forks it),
-    else None. Attention is causal, so the keys and values of a state's tokens in this pass are
-    those the state would have alone: every state of a response is in its row."""
+    With keep_cache it returns the pass's KV cache, whose row e holds episodes[e], for VinePPO
+    to fork; otherwise None. Attention is causal, so the keys and values of a state's tokens in
+    this pass are those the state would have alone: every state of a response is in its row."""
     logps, cache = response_logprobs(model, episodes, temperature, pad_id, keep_cache)
     for ep, lp in zip(episodes, logps):
         ep.old_logp = lp
@@ -156,9 +156,9 @@ def old_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int
 
 def reference_logprobs(ref, episodes: list[Episode], temperature: float, pad_id: int,
                        batch_tokens: int):
-    """Set ep.ref_logp ([T]) under the frozen reference model, once per iteration.
+    """Set each ep.ref_logp ([T]) under the frozen reference model, once per iteration.
 
-    As the reference's PPOTrainer.step does before its epochs: the KL's target stays put."""
+    It runs before the epochs, so the KL's target stays put (docs/reference.md)."""
     for chunk in batching.group_chunks(episodes, batch_tokens):
         for ep, lp in zip(chunk, response_logprobs(ref, chunk, temperature, pad_id)[0]):
             ep.ref_logp = lp
@@ -167,7 +167,7 @@ def reference_logprobs(ref, episodes: list[Episode], temperature: float, pad_id:
 @torch.no_grad()
 def response_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int,
                       keep_cache=False):
-    """([T] log-probs of each episode's response tokens, the pass's KV cache or None)."""
+    """Log-probs of each episode's response tokens ([T] each), and the KV cache or None."""
     ids, mask = pad_right([ep.prompt_ids + ep.response_ids for ep in episodes], pad_id,
                           next(model.parameters()).device)
     logp, cache = token_logprobs(model, ids, mask, temperature, keep_cache)
@@ -175,7 +175,8 @@ def response_logprobs(model, episodes: list[Episode], temperature: float, pad_id
 
 
 def pad_right(seqs: list[list[int]], pad_id: int, device=None):
-    """ids [B, L] and mask, each row's token t in column t (fork.fork relies on it)."""
+    """Right-pad the sequences into ids [B, L] and a mask, each row's token t in column t
+    (fork.fork relies on it)."""
     rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
     ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
     mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
@@ -183,23 +184,22 @@ def pad_right(seqs: list[list[int]], pad_id: int, device=None):
 
 
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
-    """log pi(x_{t+1} | x_<=t), [B, L-1], under softmax(logits / T); and the KV cache.
+    """Compute log pi(x_{t+1} | x_<=t) under softmax(logits / T), [B, L-1], and the KV cache.
 
-    Column t predicts token t+1 (the figure at the top), as in the reference's
-    PPOTrainer._forward_pass_actor, which divides by the temperature too."""
+    Column t predicts token t+1 (the figure at the top). The logits are divided by the sampling
+    temperature, as the reference does (docs/reference.md)."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
     logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
     return logp, (out.cache if keep_cache else None)
 
 
 def response_columns(ep) -> slice:
-    """The columns of ep's response tokens in a [B, L-1] tensor: token j at P-1+j (the figure
-    at the top)."""
+    """The columns of ep's response tokens in a [B, L-1] tensor, token j at column P-1+j."""
     return slice(len(ep.prompt_ids) - 1, len(ep.prompt_ids) - 1 + len(ep.response_ids))
 
 
 def per_response(logp, episodes):
-    """Row slices of a [B, L-1] tensor: one [T] tensor per episode, its response tokens'."""
+    """Cut a [B, L-1] tensor into one [T] tensor per episode, its response tokens' entries."""
     return [logp[i, response_columns(ep)].cpu() for i, ep in enumerate(episodes)]
 
 
@@ -207,13 +207,13 @@ def per_response(logp, episodes):
 
 
 def pad_id(tok) -> int:
-    """The tokenizer's pad id, or EOS where it has none (Llama's): padding is masked anyway."""
+    """The tokenizer's pad id, or its EOS id when it has none (Llama); padding is masked anyway."""
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
 def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
-    """log_softmax(logits / T)[target] in >= fp32, a few positions at a time
-    (not two fp32 copies of all)."""
+    """log_softmax(logits / T) at each target, in fp32 or wider, a few positions at a time so
+    that two fp32 copies of all the logits never exist at once."""
     step = max(1, chunk_tokens // logits.shape[0])
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32 (float64 stays)
     pieces = []

@@ -1,18 +1,19 @@
-"""Critics: the policy's backbone with an fp32 value head; a column values the state ending at
-its token: s_j, the prompt and j response tokens, at column P-1+j (rollout.py's figure).
-  - "scalar":   V_t = w.H_t + c, MSE with value clipping (the PPO baseline; as the reference's
-                trainers/ppo_trainer.py, PPOTrainer._compute_critics_loss).
-  - "tracking": TPPO: z_t = b + sum_{P <= i <= t} h_i, V_t = sigmoid(z_t) (b at P-1; a Bayes step
-                per token), BCE-with-logits against the outcome at every state s_0..s_T
-                (s_T trains h at EOS).
+"""This file holds the critics of PPO and TPPO: the policy's backbone with an fp32 value head.
+
+Column c values the state ending at token c: s_j, the prompt and j response tokens, is at
+column P-1+j (rollout.py's figure). The three heads:
+  - "scalar":   V_t = w.H_t + c, trained by MSE with value clipping (the PPO baseline, as the
+                reference's; docs/reference.md).
+  - "tracking": TPPO's, V_t = sigmoid(z_t), z_t the prior b (at P-1) plus a running sum of
+                increments h_i, a Bayes step per token (tracking_logits); its loss is
+                BCE-with-logits against the outcome at every state s_0..s_T (s_T trains h at EOS).
   - "bce":      z_t = w.H_t + c, the same BCE loss without the sum: the control for the loss alone.
 
 TPPO is "TPPO: Tracking-Value PPO For Language Model Reasoning" (2026), known here from its
-abstract only. From the abstract: the running sum z_t = b + sum h_i, V_t = sigmoid(z_t), and the
-BCE against the outcome; the rest (where b sits, training at every state) is this project's reading.
+abstract only. The abstract gives the running sum, the sigmoid and the BCE against the outcome;
+the rest (where b sits, training at every state) is this project's reading.
 
-Needs: rollout.py (padding), batching.py (forward batches).
-All of it is the algorithm of PPO/TPPO."""
+Needs rollout.py (padding) and batching.py (forward batches); none of it is engineering."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,13 +33,13 @@ class Critic(nn.Module):
         self.head = nn.Linear(hidden, 1)
         if head == "tracking":  # zero increments and prior: every V starts at sigmoid(0) = 0.5
             nn.init.zeros_(self.head.weight)
-        else:  # reference: N(0, 1/sqrt(H+1)), bias 0
+        else:  # N(0, 1/sqrt(H+1)), bias 0, as the reference initializes it (docs/reference.md)
             nn.init.normal_(self.head.weight, std=1 / (hidden + 1) ** 0.5)
         nn.init.zeros_(self.head.bias)
 
     def forward(self, ids, mask, prompt_lens: torch.Tensor):
-        """[B, L] in fp32, column c for the state ending at token c: values V ("scalar") or
-        value logits z (BCE heads)."""
+        """The head's output [B, L] in fp32, column c for the state ending at token c: the
+        values V for "scalar", the value logits z for the BCE heads."""
         hidden = self.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
         if self.head_type == "scalar":  # no action follows column L-1: GAE takes no value there
             hidden = hidden[:, :-1]
@@ -50,20 +51,21 @@ class Critic(nn.Module):
         return tracking_logits(out, prompt_lens) if self.head_type == "tracking" else out
 
     def values(self, ids, mask, prompt_lens):
-        """V(s_t) before each action, [B, L-1]: the values GAE takes."""
+        """V(s_t) before each action, [B, L-1], the values GAE takes."""
         out = self(ids, mask, prompt_lens)[:, : ids.shape[1] - 1]
         return out if self.head_type == "scalar" else torch.sigmoid(out)
 
     def loss_mask(self, action_mask):
-        """The entries the loss averages: the actions' states (scalar),
-        or s_0..s_T (BCE heads: [B, L])."""
+        """The mask of the entries the loss averages: the actions' states for "scalar", or
+        s_0..s_T ([B, L]) for the BCE heads."""
         return action_mask if self.head_type == "scalar" else response_states(action_mask)
 
     def loss(self, out, old_values, returns, rewards, mask, clip: float = 0.2, n=None):
-        """(loss, stats) of forward's out [B, L]: returns [B, L-1] are the scalar head's targets,
-        rewards [B] the BCE heads' (the outcome R: --lam-critic shapes only the scalar head's).
-        A mean over the n entries of the minibatch's loss_mask (all micro-batches and processes;
-        default: these rows'): these rows' share."""
+        """The critic's loss on forward's output `out` [B, L], and its stats. The scalar head's
+        targets are `returns` [B, L-1], the BCE heads' are `rewards` [B], the outcome R
+        (--lam-critic shapes only the scalar head's). The loss is a mean over the n entries of
+        the minibatch's loss_mask in all micro-batches and processes (by default these rows'
+        alone), so it is these rows' share of that mean."""
         terms = self.loss_mask(mask)
         n = terms.sum().clamp(min=1) if n is None else n
         total = lambda x: (x * terms).sum() / n
@@ -84,8 +86,8 @@ class Critic(nn.Module):
 @torch.no_grad()
 def critic_values(critic: Critic, episodes: list[rollout.Episode], pad_id: int,
                   forward_batch_tokens: int):
-    """Set ep.critic_values ([T]): V(s_t) before each response token,
-    a forward pass per batch of episodes."""
+    """Set each ep.critic_values ([T]) to V(s_t) before each response token, one forward pass
+    per batch of episodes."""
     device = next(critic.parameters()).device
     for chunk in batching.group_chunks(episodes, forward_batch_tokens):
         ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in chunk],
@@ -96,8 +98,8 @@ def critic_values(critic: Critic, episodes: list[rollout.Episode], pad_id: int,
 
 
 def tracking_logits(o, prompt_lens):
-    """z_t = b + sum_{P <= i <= t} h_i in fp32, b and h_i the head's outputs o [B, L]
-    at P-1 and i >= P."""
+    """TPPO's value logits z_t = b + sum_{P <= i <= t} h_i in fp32, where b and h_i are the
+    head's outputs o [B, L] at P-1 and at i >= P."""
     pos = torch.arange(o.shape[1], device=o.device)[None, :]
     start = (prompt_lens - 1)[:, None]
     prior = o.gather(1, start)                                  # b: [B, 1]
@@ -106,5 +108,5 @@ def tracking_logits(o, prompt_lens):
 
 
 def response_states(action_mask):
-    """[B, L-1] action mask -> [B, L] mask of the response's states s_0..s_T (one more column)."""
+    """Turn a [B, L-1] action mask into the [B, L] mask of the response's states s_0..s_T."""
     return torch.maximum(F.pad(action_mask, (0, 1)), F.pad(action_mask, (1, 0)))

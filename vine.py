@@ -1,17 +1,13 @@
-"""VinePPO's credit assignment (Kazemnejad et al. 2024, arXiv 2410.01679v1, §4).
+"""This file computes VinePPO's credit assignment (Kazemnejad et al. 2024, arXiv 2410.01679v1, §4).
 
-Cut each response into reasoning steps; from the start s_i of every step sample K more
-continuations (each state encoded afresh by `generate`, continuations_by_definition; or the
-same distribution faster, forked from the old-log-prob pass's KV cache, fork.py); every token
-of step i takes A_i:
+Each response is cut into reasoning steps. From the start s_i of every step the policy samples
+K more continuations; the mean of their rewards estimates V(s_i) (mc_values), and every token of
+step i takes the advantage A_i, the change of that estimate over the step (step_advantages).
+A continuation is what `generate` samples after the state is encoded afresh
+(continuations_by_definition; docs/mc-values-by-definition.md computes the values that way
+alone); fork.py samples the same distribution faster, from the old-log-prob pass's KV cache.
 
-    V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)    (unbiased for V(s_i) of the sampler)
-    A_i        = r_i + V_hat(s_{i+1}) - V_hat(s_i),   r_i = R [i = n-1],   V(s_n) = 0
-
-n is the number of steps, R the response's reward, gamma = 1 (the KL term lives in the loss).
-The same values by their definition, generate alone: docs/mc-values-by-definition.md.
-
-One MC value's path, as train.main runs it:
+The path of one MC value, as train.main runs it:
 
     split_steps                ep.step_starts, where each step begins: s_i's end
     rollout.old_logprobs       a forward pass; its KV cache's row e holds episodes[e]
@@ -21,7 +17,7 @@ One MC value's path, as train.main runs it:
                                  (--no-fork), or forked (fork.continue_from_cache)
     ppo.assign_advantages      -> episode_advantages: step_advantages, token_advantages
 
-The cheaper settings (adaptive K, reuse, top-up), off by default: vine_cheaper.py.
+The cheaper settings (adaptive K, reuse, top-up), off by default, are in vine_cheaper.py.
 """
 from bisect import bisect_right
 from collections import Counter
@@ -38,16 +34,17 @@ import rollout
 
 
 def split_steps(episodes: list[rollout.Episode], tok):
-    """Set ep.step_starts: the token index where each reasoning step of the response begins.
+    """Set ep.step_starts, the token index where each reasoning step of the response begins.
 
-    GSM8K's rule: a step is a line with the '\\n' that ends it, and the answer line is a step
-    of its own. The response `7+2=9\\n9-5=4\\n#### 4`, one token a character, is cut into
+    Under GSM8K's rule a step is a line with the '\\n' that ends it, and the answer line is a
+    step of its own. The response `7+2=9\\n9-5=4\\n#### 4`, one token a character, is cut into
         steps        '7+2=9\\n' | '9-5=4\\n' | '#### 4'
         step_starts  [0, 6, 12]
     so s_0 is the prompt, s_1 the prompt + '7+2=9\\n', s_2 the prompt + '7+2=9\\n9-5=4\\n'.
     Whether a prefix is a state depends only on its own tokens, so V_hat(s_i) is a baseline
-    that does not look at the action (docs/reference.md: why the reference's rule is biased).
-    MATH's rule: sentences and lines (math_grader.math_step_offsets; docs/math.md)."""
+    that does not look at the action (docs/reference.md shows why the reference's rule is
+    biased). MATH's rule cuts at sentences and lines (math_grader.math_step_offsets;
+    docs/math.md)."""
     for ep in episodes:
         ep.step_starts = response_step_starts(tok, ep.response_ids, math=ep.math,
                                               boxed=ep.style == "boxed")
@@ -55,11 +52,11 @@ def split_steps(episodes: list[rollout.Episode], tok):
 
 def response_step_starts(tok, response_ids: list[int], math: bool = False,
                          boxed: bool = False) -> list[int]:
-    """Token index where each step starts: the step rule on the response's text, then each
-    token put in its first character's step (token_steps).
-    GSM8K's rule: line_step_offsets (boxed: the answer is the line with \\boxed); MATH's
-    (math): sentences and lines, LaTeX kept whole."""
-    # the text each token adds, "".join(texts) the response's (token_texts: below the line)
+    """The token index where each step of the response starts. The step rule cuts the text
+    (GSM8K's: line_step_offsets, the answer on the line with \\boxed when boxed; MATH's, with
+    math: sentences and lines, LaTeX kept whole); a token joins its first character's step
+    (token_steps)."""
+    # the text each token adds; "".join(texts) is the response's (token_texts, below the line)
     texts = token_texts(tok, response_ids)
     text = "".join(texts)
     offsets = (math_grader.math_step_offsets(text)[1:-1] if math
@@ -68,12 +65,11 @@ def response_step_starts(tok, response_ids: list[int], math: bool = False,
 
 
 def line_step_offsets(text: str, boxed: bool = False) -> list[int]:
-    """The character offsets where steps 1, 2, ... start: every '\\n' closes its step.
-
-    - a '\\n' closes nothing while the text before it is blank (leading empty lines join the
-      first line), nor once the text before it holds the answer ('####'; boxed: '\\boxed');
-    - each rule reads only the text before the '\\n', so no state depends on what follows it;
-      a new rule must keep that, or A_i is biased (docs/reference.md, Steps).
+    """The character offsets where steps 1, 2, ... start: every '\\n' closes its step, unless
+    the text before it is blank (leading empty lines join the first line) or already holds the
+    answer ('####', or '\\boxed' with boxed). Each rule reads only the text before the '\\n',
+    so no state depends on what follows it; a new rule must keep that, or A_i is biased
+    (docs/reference.md, Steps).
     Cases (steps split at the offsets):
         '\\na\\nb\\n#### 1'         \\na\\n | b\\n | #### 1        leading empty lines join
         'a\\n\\nb\\n#### 1'         a\\n | \\n | b\\n | #### 1     an empty line between: a step
@@ -87,8 +83,8 @@ def line_step_offsets(text: str, boxed: bool = False) -> list[int]:
 
 
 def token_steps(texts: list[str], opens: list[int]) -> list[int]:
-    """Token index where each step starts, given the character offsets `opens` where steps
-    1, 2, ... start (step 0 starts at token 0): a token is in its first character's step."""
+    """The token index where each step starts, given the character offsets `opens` where
+    steps 1, 2, ... start. Step 0 starts at token 0; a token is in its first character's step."""
     # each token's first character
     firsts = list(accumulate((len(t) for t in texts), initial=0))[:-1]
     steps = [bisect_right(opens, char) for char in firsts]  # steps opened at or before it
@@ -99,20 +95,21 @@ def token_steps(texts: list[str], opens: list[int]) -> list[int]:
 class MCSettings:
     """How many continuations the MC values take (train.py's --mc-rollouts, --max-value-states)."""
     k: int                   # K, continuations per state
-    max_states: int = 0      # states valued per response, s_0.. (0: all); later ones take R
+    max_states: int = 0      # states valued per response from s_0 on (0 = all); later take R
 
 
 def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.Sampling,
               mc: MCSettings) -> Counter:
-    """Set ep.step_values[i] = V_hat(s_i) = 1/K sum_k R(s_i + continuation_k) (§4).
+    """Set ep.step_values[i] to the mean reward of K continuations of each state s_i (§4):
 
-    - a state is the prompt + the response up to a step start; each distinct one is valued once;
-    - its K continuations are forked from `cache`, the old-log-prob pass over exactly these
-      episodes (train.main's chunk): row e holds episodes[e]; with cache None each state is
-      encoded afresh instead (continuations_by_definition);
-    - a continuation is graded as the state's response prefix + the continuation;
-    - past the first mc.max_states states: None (step_advantages puts R there).
-    Returns the counts of states, continuations and continuation tokens."""
+        V_hat(s_i) = 1/K sum_k R(s_i + continuation_k)    (unbiased for V(s_i) of the sampler)
+
+    A state is the prompt plus the response up to a step start; each distinct one is valued
+    once. Its K continuations are forked from `cache`, the old-log-prob pass over exactly these
+    episodes (train.main's chunk), whose row e holds episodes[e]; with cache None each state is
+    encoded afresh (continuations_by_definition). A continuation is graded as the state's
+    response prefix plus the continuation. States past the first mc.max_states get None
+    (step_advantages puts R there). Returns the counts of states, continuations and their tokens."""
     states = distinct_states(episodes, mc.max_states)  # state tokens -> (episode e, step start b)
     keys = list(states)
     rewards, tokens = continuation_rewards(model, episodes, cache, states, keys, mc.k, sampling)
@@ -124,8 +121,8 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
 
 
 def distinct_states(episodes: list[rollout.Episode], max_states: int = 0) -> dict:
-    """State tokens (prompt + response up to a step start) -> (episode e, step start b) of its
-    first holder: each distinct state of the first max_states of every episode (0: all) once."""
+    """Map each distinct state's tokens (prompt + response up to a step start) to its first
+    holder, (episode e, step start b), over the first max_states of each episode (0 = all)."""
     states = {}
     for e, ep in enumerate(episodes):
         for b in ep.step_starts[:max_states or None]:
@@ -134,22 +131,22 @@ def distinct_states(episodes: list[rollout.Episode], max_states: int = 0) -> dic
 
 
 def state_keys(ep: rollout.Episode, max_states: int = 0) -> list:
-    """The tokens of each state s_i of ep (prompt + response up to step i),
-    None past the first max_states (0: no cap)."""
+    """The tokens of each state s_i of ep (prompt + response up to step i), or None past the
+    first max_states (0 = no cap)."""
     capped = lambda i: max_states and i >= max_states
     return [None if capped(i) else tuple(ep.prompt_ids + ep.response_ids[:b])
             for i, b in enumerate(ep.step_starts)]
 
 
 def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: int, sampling):
-    """Rewards [len(keys)][k] of k continuations of each state in keys, and their token count.
+    """Sample and grade k continuations of each state in keys.
 
-    A continuation is what the policy samples after the state encoded afresh: by definition
-    with cache None (continuations_by_definition, train.py --no-fork), else, the same
-    distribution faster, forked from the old-log-prob pass's cache in one batched call
-    (fork.continue_from_cache). A continuation that did not stop within its budget
-    scores 0. keys may name a state twice: vine_cheaper.sampling_rounds asks for one
-    continuation at a time that way."""
+    Returns their rewards, [len(keys)][k], and their token count. A continuation is what the
+    policy samples after the state is encoded afresh: by definition when cache is None
+    (continuations_by_definition, train.py --no-fork), otherwise the same distribution faster,
+    forked from the old-log-prob pass's cache in one batched call (fork.continue_from_cache).
+    A continuation that did not stop within its budget scores 0. keys may name a state twice;
+    vine_cheaper.sampling_rounds asks for one continuation at a time that way."""
     holders = [states[key] for key in keys]  # (e, b): episodes[e], row e of the cache, holds it
     budgets = [sampling.max_new_tokens - b for _, b in holders]  # what the response's b leaves
     prefixes = [list(key) for key in keys]  # prompt + response up to the step start
@@ -169,11 +166,12 @@ def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: in
 @torch.no_grad()
 def continuations_by_definition(model, states: list[list[int]], k: int, budgets: list[int],
                                 sampling):
-    """k continuations of each state and whether each finished (lists [n][k]), by definition:
-    the state encoded afresh, and `generate` samples k rows of what follows it.
-    Each budget is cut to what the model's context leaves (generation.within_context); each row
-    is cut after its end id, to its budget and before the stop string (generation.finish); it
-    is finished when it stopped by itself."""
+    """Sample k continuations of each state by definition, and whether each finished ([n][k]).
+
+    Each state is encoded afresh and `generate` samples k rows of what follows it. Each budget
+    is cut to what the model's context leaves (generation.within_context). Each row is cut after
+    its end id, to its budget and before the stop string (generation.finish), and it is
+    finished when it stopped by itself."""
     budgets = generation.within_context(model, states, budgets)
     device, conts, finished = next(model.parameters()).device, [], []
     for state, budget in zip(states, budgets):
@@ -190,24 +188,26 @@ def continuations_by_definition(model, states: list[list[int]], k: int, budgets:
 
 
 def step_advantages(values: list[float | None], outcome: float) -> list[float]:
-    """A_i = r_i + V(s_{i+1}) - V(s_i) (§4), r_i = R [i = n-1], V(s_n) = 0, R = outcome:
+    """Each step's advantage, from the step values and the outcome R (§4, gamma = 1):
 
+        A_i = r_i + V(s_{i+1}) - V(s_i),   r_i = R [i = n-1],   V(s_n) = 0,   R = outcome
         A = [V(s_1) - V(s_0), ..., V(s_{n-1}) - V(s_{n-2}), R - V(s_{n-1})]
 
-    A value None (a state past the cap) takes the return, R: the step before the first such
-    state gets R - V(s_i), and every step after it 0 (whitened in the update like the rest)."""
+    n is the number of steps. A value None (a state past the cap) takes the return R, so the
+    step before the first such state gets R - V(s_i), and every step after it gets 0 (whitened
+    in the update like the rest)."""
     v = [outcome if x is None else x for x in values]
     return [v[i + 1] - v[i] for i in range(len(v) - 1)] + [outcome - v[-1]]
 
 
 def episode_advantages(ep: rollout.Episode) -> torch.Tensor:
-    """[T]: each step's A_i on every token of the step (the KL term lives in the loss)."""
+    """ep's [T] advantages, each step's A_i on every token of it (the KL term lives in the loss)."""
     step_adv = step_advantages(ep.step_values, ep.reward)
     return torch.tensor(token_advantages(ep.step_starts, step_adv, len(ep.response_ids)))
 
 
 def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) -> list[float]:
-    """Step i's advantage on each of its tokens, starts[i] up to the next step's start."""
+    """Step i's advantage on each of its tokens, from starts[i] up to the next step's start."""
     ends = starts[1:] + [n_tokens]
     return [a for a, lo, hi in zip(step_adv, starts, ends) for _ in range(hi - lo)]
 
@@ -219,11 +219,11 @@ def token_texts(tok, ids: list[int]) -> list[str]:
 
     Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9'; its text
     here is ' 9'), and a byte token can be part of a character: its text is '' until the
-    character is complete (incremental detokenizing, as vLLM's)."""
+    character is complete (incremental detokenizing; docs/reference.md)."""
     decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
-    # tokens before `read` have their texts; the window decoded begins where the last non-empty
-    # text began, at `start`, so that a token's leading space survives; `shown` is its text up to
-    # `read`, and token t's text is what the window's text up to t adds to it
+    # Tokens before `read` have their texts. The decoded window begins at `start`, where the last
+    # non-empty text began, so that a token's leading space survives. `shown` is the window's
+    # text up to `read`, and token t's text is what the window's text up to t adds to it.
     texts, start, read, shown = [], 0, 0, ""
     for t in range(len(ids)):
         text = decode(ids[start: t + 1], skip_special_tokens=True)

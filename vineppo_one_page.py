@@ -1,11 +1,11 @@
-"""VinePPO on one page: one iteration on the demo task, plain and slow, top to bottom.
+"""This file runs one iteration of VinePPO on the demo task, plain and slow, top to bottom.
 
-Kazemnejad et al. 2024, arXiv 2410.01679v1. train.py runs the same method fast, and
+It follows Kazemnejad et al. 2024, arXiv 2410.01679v1; train.py runs the same method fast, and
 test_one_page.py checks that the two agree. `python vineppo_one_page.py` takes seconds on a CPU:
     1. sample responses to a few prompts (model.generate)
     2. cut each response into steps, a line a step
-    3. V_hat(s_i) of each step's start: the mean reward of K continuations (§4)
-    4. A_i = V_hat(s_{i+1}) - V_hat(s_i) on every token of step i (§4)
+    3. value each step's start s_i by the mean reward of K continuations, V_hat(s_i) (§4)
+    4. put A_i, the change of V_hat across step i, on every token of the step (§4)
     5. the clipped PPO loss plus the k3 KL to a reference model (§5); one optimizer step
 """
 import copy
@@ -20,7 +20,7 @@ from engineering import models, tasks  # the demo's tiny model and its problems
 
 @torch.no_grad()
 def generate(model, eos_id: int, ids: list[int], budget: int, temperature: float):
-    """What the policy writes after `ids`, and whether it ended (EOS) within `budget` tokens."""
+    """Sample what the policy writes after `ids`; say whether it ended (EOS) within `budget`."""
     x = torch.tensor([ids])
     sample = dict(do_sample=True, temperature=temperature, top_k=0)
     how = sample if temperature > 0 else dict(do_sample=False)  # 0: greedy
@@ -33,11 +33,11 @@ def generate(model, eos_id: int, ids: list[int], budget: int, temperature: float
 
 
 def step_starts(tok, response: list[int]) -> list[int]:
-    """Token index where each step starts: every '\\n' closes its step, but none while the text
-    before it is blank, nor once that text holds the answer ('####'). One token a character:
-    '\\n5-5=0\\n0+3=3\\n#### 3\\n</s>' -> '\\n5-5=0\\n' | '0+3=3\\n' | '#### 3\\n</s>'."""
-    # Decoded token by token: the demo's tokenizer has one character a token (EOS none), so the
-    # token after a closing '\n' starts a step (more characters a token: vine.token_steps).
+    """The token index where each step starts. Every '\\n' closes its step, except while the
+    text before it is blank or once that text holds the answer ('####'). One token a character,
+    '\\n5-5=0\\n0+3=3\\n#### 3\\n</s>' is cut into '\\n5-5=0\\n' | '0+3=3\\n' | '#### 3\\n</s>'."""
+    # The demo's tokenizer has one character a token (EOS none), so the token after a closing
+    # '\n' starts a step (vine.token_steps handles tokens of several characters).
     texts = [tok.decode([i], skip_special_tokens=True) for i in response]
     starts, before = [0], ""  # before: the response's text before token t
     for t, char in enumerate(texts):
@@ -48,8 +48,8 @@ def step_starts(tok, response: list[int]) -> list[int]:
 
 
 def mc_value(model, tok, prompt, response, start, gold, k, max_new_tokens, temperature):
-    """§4: V_hat(s_i) = 1/K sum_k R(s_i + continuation_k), s_i = prompt + response[:start];
-    the state encoded afresh, the budget what the response's leaves, unfinished scoring 0."""
+    """V_hat(s_i) = 1/K sum_k R(s_i + continuation_k) (§4), for s_i = prompt + response[:start].
+    The state is encoded afresh, with the budget the response leaves; an unfinished one scores 0."""
     prefix, total = response[:start], 0.0
     for _ in range(k):
         new, ended = generate(model, tok.eos_token_id, prompt + prefix, max_new_tokens - start,
@@ -60,12 +60,12 @@ def mc_value(model, tok, prompt, response, start, gold, k, max_new_tokens, tempe
 
 
 def step_advantages(values: list[float], outcome: float) -> list[float]:
-    """§4: A_i = V_hat(s_{i+1}) - V_hat(s_i), and A_{n-1} = R - V_hat(s_{n-1}) (gamma = 1)."""
+    """A_i = V_hat(s_{i+1}) - V_hat(s_i), and A_{n-1} = R - V_hat(s_{n-1}) (§4, gamma = 1)."""
     return [values[i + 1] - values[i] for i in range(len(values) - 1)] + [outcome - values[-1]]
 
 
 def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) -> torch.Tensor:
-    """A_i on every token of step i."""
+    """Put A_i on every token of step i."""
     ends = starts[1:] + [n_tokens]
     return torch.tensor([a for a, lo, hi in zip(step_adv, starts, ends) for _ in range(hi - lo)])
 
@@ -85,11 +85,11 @@ def whiten(advs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def ppo_loss(logps, old_logps, ref_logps, advs, clip: float = 0.2, beta: float = 1e-4):
-    """The loss of N responses, n tokens in all (lists of [T] tensors, one per response).
+    """The loss of N responses, n tokens in all, given lists of [T] tensors, one per response.
 
-    PPO (Schulman et al. 2017, eq. 7), r_t = pi / pi_old, as a loss and a token mean:
+    PPO (Schulman et al. 2017, eq. 7), r_t = pi / pi_old, written as a loss and a token mean:
         1/n sum_t max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps))
-    plus the KL penalty (VinePPO §5), k3_t = exp(d_t) - d_t - 1, d_t = log pi_ref - log pi:
+    plus the KL penalty (VinePPO §5), with k3_t = exp(d_t) - d_t - 1, d_t = log pi_ref - log pi:
         beta/N sum_seq sum_t clamp(k3_t, 0, 10)
     (ppo.ppo_loss also skips a batch whose mean ratio passes 10.)"""
     n_tokens, policy, kl = sum(len(lp) for lp in logps), 0.0, 0.0
@@ -102,7 +102,7 @@ def ppo_loss(logps, old_logps, ref_logps, advs, clip: float = 0.2, beta: float =
 
 
 def warm_start(model, tok, problems: list[dict], steps: int = 50):
-    """Not VinePPO: an SFT model's stand-in, trained on these problems' answers in a second."""
+    """Train a stand-in for an SFT model on these problems' answers in a second (not VinePPO)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     texts = [f"{tok.bos_token}{reward.ARITH_PROMPT.format(**p)}\n{p['answer']}\n{tok.eos_token}"
              for p in problems]
@@ -115,7 +115,7 @@ def warm_start(model, tok, problems: list[dict], steps: int = 50):
 
 
 def main(prompts=3, samples=2, k=4, max_new_tokens=64, temperature=0.6, lr=1e-5, beta=1e-3):
-    """One iteration; prints one response's steps, values and advantages, and the loss."""
+    """Run one iteration; print one response's steps, values and advantages, and the loss."""
     torch.set_num_threads(1)  # a 0.86M model gains nothing from threads; on a busy CPU they wait
     torch.manual_seed(0)
     logging.disable_progress_bar()
@@ -144,8 +144,8 @@ def main(prompts=3, samples=2, k=4, max_new_tokens=64, temperature=0.6, lr=1e-5,
     for i, (lo, hi) in enumerate(zip(r["starts"], r["starts"][1:] + [len(r["response"])])):
         print(f"  step {i}  {tok.decode(r['response'][lo:hi])!r:18}  V(s_{i}) = "
               f"{r['values'][i]:.2f}  A_{i} = {r['step_adv'][i]:+.2f}")
-    # 5. one PPO step: pi_old is the policy that sampled (r_t = 1 at the step); the advantages
-    # whitened over the batch, as ppo.ppo_update whitens them over a minibatch
+    # 5. one PPO step. pi_old is the policy that sampled (r_t = 1 at the step), and the advantages
+    # are whitened over the batch, as ppo.ppo_update whitens them over a minibatch
     advs = whiten([token_advantages(r["starts"], r["step_adv"], len(r["response"]))
                    for r in batch])
     new = lambda m: [logprobs(m, r["prompt"], r["response"], temperature) for r in batch]
