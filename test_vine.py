@@ -1,4 +1,5 @@
 """Tests: the math against hand-computed or exactly enumerable cases, and smoke runs of train.py."""
+import bisect
 import collections
 import contextlib
 import copy
@@ -15,7 +16,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as token_models
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast)
 
 import batching
 import fork
@@ -136,6 +140,74 @@ def test_step_split_multichar_tokens_follow_first_character():
     # closes step 2 with its '\n' and opens nothing (its '#' goes with it): step 3 is '###...'
     assert (split(None, ["A", ".\n", "B", "\n", "C", "\n#", "### 5", "</s>"[:0]])
             == ["A.\n", "B\n", "C\n#", "### 5"])
+
+
+def hand_byte_level_bpe(merges: list[tuple[str, str]]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with these merges only: its base tokens are the 256 bytes as characters
+    ('Ġ' a space, 'Ċ' a '\\n'), and Llama-3's pre-tokenizer pattern cuts the text first (a space
+    goes with the letters after it, digits stand alone, punctuation keeps the newlines after it:
+    '.\\n\\n' can be one token, as it is in Llama-3's vocabulary)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate(alphabet + ["".join(m) for m in merges])}
+    tk = Tokenizer(token_models.BPE(vocab, merges))
+    llama3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
+def test_step_split_of_one_byte_level_bpe_response_by_hand():
+    r"""One byte-level BPE response through each stage of vine.response_step_starts, as a table.
+
+    The text: "I had 5 €.\n\nNow 3.\n#### 3" (an empty line, then the answer line). Stages:
+    1. token_texts: the text each token adds; a byte inside a character adds '' until the
+       character is complete ('€' is 3 bytes without a merge: 'â', 'Ĥ' add '', '¬' adds '€');
+    2. firsts: each token's first character offset, the running sum of the texts' lengths;
+    3. line_step_offsets on the whole text: opens = [11, 12, 19], after the '\n's at 10, 11, 18
+       (steps of the text: 'I had 5 €.\n' | '\n' | 'Now 3.\n' | '#### 3');
+    4. token_steps: a token is in its first character's step, bisect_right(opens, first) (the
+       table's step); a step starts at each token where that changes: starts = [0, 9, 13].
+    Token 8, '.\n\n', starts at '.' in step 0, so its first '\n' closes step 0 inside it, and
+    the text's step 1 (its second '\n', the empty line) holds no token's first character: it
+    stays in step 0, and the response has 3 steps: tokens 0-8, 9-12, 13-15."""
+    tok = hand_byte_level_bpe([("Ġ", "h"), ("a", "d"), ("Ġh", "ad"), ("N", "o"), ("No", "w"),
+                               (".", "Ċ"), (".Ċ", "Ċ"), ("#", "#"), ("##", "##")])
+    text = "I had 5 €.\n\nNow 3.\n#### 3"
+    # t: token index | BPE token | its text (repr) | first: offset of its first character |
+    # step: its first character's step, bisect_right(opens, first)
+    table = [
+        ( 0, "I",     "I",       0, 0),
+        ( 1, "Ġhad",  " had",    1, 0),       # a leading space, Ġ, goes with the word
+        ( 2, "Ġ",     " ",       5, 0),       # a digit stands alone, without its space
+        ( 3, "5",     "5",       6, 0),
+        ( 4, "Ġ",     " ",       7, 0),
+        ( 5, "â",     "",        8, 0),       # '€', 3 bytes: '' until its last byte, so
+        ( 6, "Ĥ",     "",        8, 0),       # these two share the offset of '€'
+        ( 7, "¬",     "€",       8, 0),
+        ( 8, ".ĊĊ",   ".\n\n",   9, 0),       # '.' is in step 0: this token too, '\n\n' and all
+        ( 9, "Now",   "Now",    12, 2),       # the next token: a step starts (the text's step 2)
+        (10, "Ġ",     " ",      15, 2),
+        (11, "3",     "3",      16, 2),
+        (12, ".Ċ",    ".\n",    17, 2),       # its '\n' (18) closes step 2 inside it
+        (13, "####",  "####",   19, 3),       # the answer line: a step of its own
+        (14, "Ġ",     " ",      23, 3),
+        (15, "3",     "3",      24, 3),
+    ]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert [row[0] for row in table] == list(range(len(ids)))
+    assert tok.convert_ids_to_tokens(ids) == [row[1] for row in table]
+    texts = vine.token_texts(tok, ids)
+    assert texts == [row[2] for row in table] and "".join(texts) == text
+    firsts = [len("".join(texts[:t])) for t in range(len(texts))]
+    assert firsts == [row[3] for row in table]
+    opens = vine.line_step_offsets(text)
+    assert opens == [11, 12, 19]
+    assert [bisect.bisect_right(opens, first) for first in firsts] == [row[4] for row in table]
+    assert vine.token_steps(texts, opens) == [0, 9, 13]
+    assert vine.response_step_starts(tok, ids) == [0, 9, 13]
 
 
 def test_step_advantages_hand_computed():
