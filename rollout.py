@@ -120,8 +120,9 @@ def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> 
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling: Sampling):
     """Sample k continuations of each prefix; return them and their finished flags ([n][k]).
 
-    Each prefix is encoded once, in the batch it will decode in, and that batch's cache is then
-    forked k times (fork.continue_from_cache)."""
+    By definition this is `generate` on k copies of each prefix (vine.continuations_by_definition
+    does exactly that). Here it is faster: each prefix is encoded once, in the batch it will
+    decode in, and that batch's cache is forked k times (fork.continue_from_cache)."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     budgets = generation.within_context(model, prefixes, budgets)
