@@ -191,16 +191,22 @@ PHASES = (*TRAINING, "time_eval", "time_save")
 
 
 class Stopwatch(dict):
-    """Seconds per phase: lap(phase) adds the time since the last lap (or the start) to it."""
+    """The seconds of each phase of one iteration, the time_* metrics.
+
+    `with watch.lap(phase):` ends a lap with its block and adds the lap's seconds to phase.
+    A lap starts where the one before it ended (the first where the stopwatch started).
+    So every second of the iteration counts to one phase.
+    time_save holds the previous iteration's seconds after its last lap (its row, checkpoint)."""
 
     def __init__(self, previous=None):
         super().__init__(dict.fromkeys(PHASES, 0.0))
         self.began = self.last = time.time()
-        # the previous iteration's time after its last lap: its log and checkpoint
         if previous is not None:
             self["time_save"] = self.began - previous.last
 
+    @contextmanager
     def lap(self, phase: str):
+        yield
         now = time.time()
         self[phase] += now - self.last
         self.last = now
