@@ -5,11 +5,11 @@
     python train.py --model rho-math-1.1b --data math   # the paper's MATH row (its SFT start)
     torchrun --nproc_per_node 8 train.py --model rho-math-1.1b --data gsm8k   # 8 GPUs, DDP
 
-This file is the only entry point.
-The loop in main is Algorithm 1 of the VinePPO paper, one line for each phase.
-Phases, after main, holds each phase's engineering, in the order main calls them.
-It needs rollout, reward, vine, vine_cheaper, ppo, value and batching, and the folder engineering/.
-Read Config and its presets, then main and Phases; the command line at the end can wait.
+This file is the only entry point. The loop in main is Algorithm 1 of the VinePPO paper, a
+block for each phase: 1. draw prompts, 2. sample and grade responses, 3. cut them into steps,
+4. old log-probs, 5. values (VinePPO's MC values, or a critic's), 6. advantages, 7. reference
+log-probs, 8. epochs of clipped PPO, 9. evaluate, log and save.
+Read Config and its presets, then main; the command line at the end can wait.
 """
 import signal
 import sys
@@ -172,140 +172,92 @@ PRESETS = ((DEMO, "in the demo (--model tiny)"), (MATH, "with MATH data"))
 def main(cfg: Config):
     rank, world, device, autocast = start.start_process(cfg)  # torchrun: rank of world GPUs
     run = start.start_run(cfg, device, autocast)  # data, models, and where the run stands
-    phases = Phases(cfg, run, rank, world, device, autocast)  # the phases and their engineering
+    tok, policy, critic = run.tok, run.policy, run.critic
+    sampling, mc, cheaper, hp = algorithm_settings(cfg, tok, policy.model, world)
     if run.iterations_done is None:  # a fresh run: evaluate the starting policy (iteration 0)
-        scores = evaluate(run.policy.model, run.eval_set, cfg, phases.sampling, autocast, 0)
+        scores = evaluate(policy.model, run.eval_set, cfg, sampling, autocast, 0)
         parallel.log(cfg.out, {"iteration": 0, **scores})
         if cfg.iterations == 0:  # an SFT-only run still leaves a checkpoint
-            checkpoint.save_training_state(cfg, 0, run.tok, run.policy, run.critic)
+            checkpoint.save_training_state(cfg, 0, tok, policy, critic)
 
+    watch = None
     for it in range((run.iterations_done or 0) + 1, cfg.iterations + 1):
-        problems = phases.draw_prompts(it)                    # 1. draw prompts
-        episodes = phases.sample_responses(problems, it)      # 2. sample and grade responses
-        phases.cut_steps(episodes)                            # 3. cut steps
-        mc_counts = phases.old_logprobs_and_values(episodes)  # 4-5. old log-probs, values
-        diagnostics = phases.advantages(episodes)             # 6. advantages
-        phases.reference_logprobs(episodes)                   # 7. reference log-probs
-        stats = phases.ppo_epochs(episodes, it)               # 8. PPO epochs
-        phases.finish(it, episodes, stats, diagnostics, mc_counts)  # 9. evaluate, log, save
-    return run.policy.model
-
-
-class Phases:
-    """The phases of main's loop, each with the engineering that main leaves out.
-
-    Every forward pass runs under autocast (bf16 over fp32 weights, or nothing).
-    Under FSDP a model's weights stay whole while a phase runs it (parallel.unsharded).
-    A stopwatch times the phases for the time_* metrics (parallel.Stopwatch)."""
-
-    def __init__(self, cfg: Config, run: start.Run, rank: int, world: int, device, autocast):
-        """Reads the settings of every phase from cfg, once."""
-        self.cfg, self.run, self.rank, self.world = cfg, run, rank, world
-        self.device, self.autocast, self.watch = device, autocast, None
-        self.policy, self.critic, self.tok = run.policy, run.critic, run.tok
-        # every id that ends a response, the one SFT writes first
-        stops = prompts.stop_ids(run.tok, run.policy.model, cfg.chat)
-        self.sampling = rollout.Sampling(
-            temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-            eos_id=stops[0], eos_ids=stops, pad_id=rollout.pad_id(run.tok), stop=reward.STOP,
-            tokenizer=run.tok, max_batch_tokens=cfg.max_batch_tokens)
-        self.mc = vine.MCSettings(k=cfg.mc_rollouts, max_states=cfg.max_value_states)
-        self.cheaper = vine_cheaper.CheaperSettings(
-            max_k=cfg.mc_max_rollouts, increment=cfg.mc_increment, ci_width=cfg.mc_ci_width,
-            reuse=cfg.mc_reuse, top_up=cfg.mc_top_up)
-        # GRPO's advantages are already normalised per group: whitening again would re-centre them
-        self.hp = ppo.PPOSettings(
-            epochs=cfg.epochs, minibatch=cfg.minibatch // world, micro_batch=cfg.micro_batch,
-            temperature=cfg.temperature, clip=cfg.clip, kl_coef=cfg.kl_coef,
-            value_clip=cfg.value_clip, whiten=cfg.algo != "grpo")
-
-    def draw_prompts(self, it: int) -> list[dict]:
-        """Phase 1 starts the iteration's stopwatch and draws its prompts.
-
-        The reference shuffles the problems by seed + iteration.
-        The new stopwatch's time_save counts the last iteration's row and checkpoint."""
-        self.watch = parallel.Stopwatch(self.watch)
-        return tasks.draw_problems(self.run.train_set, self.cfg.prompts_per_iter,
-                                   self.cfg.seed + it, self.rank, self.world)
-
-    def sample_responses(self, problems: list[dict], it: int) -> list:
-        """Phase 2 samples --samples-per-prompt responses to each problem and grades them.
-
-        A warning follows when no response holds an answer the grader can read."""
-        model = self.policy.model
-        with self.autocast, parallel.unsharded(model):
-            episodes = rollout.sample_episodes(model, problems, self.cfg.samples_per_prompt,
-                                               self.sampling)
-        prompts.warn_if_unread(episodes, self.tok, f"iteration {it}")
-        return episodes
-
-    def cut_steps(self, episodes):
-        """Phase 3 cuts each response into steps. Its lap ends phases 1 to 3, time_rollout."""
-        with self.watch.lap("time_rollout"):
-            vine.split_steps(episodes, self.tok)
-
-    def old_logprobs_and_values(self, episodes) -> collections.Counter:
-        """Phases 4 and 5 set the old log-probs, then the values, and return the MC counts.
-
-        The log-prob pass runs a chunk of prompts at a time (batching.group_chunks).
-        VinePPO forks that pass's KV cache (row e is chunk[e]) before the next chunk's pass.
-        With --no-fork it encodes each state afresh instead.
-        PPO and TPPO take the critic's V(s_t) before each token instead."""
-        cfg, model, pad, watch = self.cfg, self.policy.model, self.sampling.pad_id, self.watch
-        mc_counts, keep = collections.Counter(), cfg.algo == "vineppo" and not cfg.no_fork
-        with self.autocast, parallel.unsharded(model):
-            for chunk in batching.group_chunks(episodes, cfg.forward_batch_tokens):
-                with watch.lap("time_logprobs"):
-                    cache = rollout.old_logprobs(model, chunk, cfg.temperature, pad,
-                                                 keep_cache=keep)
-                if cfg.algo == "vineppo":
-                    with watch.lap("time_mc_values"):
-                        mc_counts += value_with_mc(model, chunk, cache, self.sampling, self.mc,
-                                                   self.cheaper)
-                del cache  # before the next chunk's forward pass allocates its own
-        if self.critic is not None:
-            critic = self.critic.model
-            with watch.lap("time_critic_values"), self.autocast, parallel.unsharded(critic):
-                value.critic_values(critic, episodes, pad, cfg.forward_batch_tokens)
-        return mc_counts
-
-    def advantages(self, episodes) -> dict:
-        """Phase 6 sets the advantages (VinePPO's, GAE's or GRPO's) and returns diagnostics."""
-        cfg = self.cfg
-        with self.watch.lap("time_advantages"):
-            return ppo.assign_advantages(cfg.algo, episodes, cfg.gamma, cfg.lam, cfg.lam_critic,
-                                         reuse=cfg.mc_reuse)
-
-    def reference_logprobs(self, episodes):
-        """Phase 7 sets the frozen reference model's log-probs, once an iteration."""
-        with self.watch.lap("time_reference"), self.autocast:
-            rollout.reference_logprobs(self.run.ref, episodes, self.cfg.temperature,
-                                       self.sampling.pad_id, self.cfg.forward_batch_tokens)
-
-    def ppo_epochs(self, episodes, it: int) -> dict:
-        """Phase 8 runs the epochs of clipped PPO and returns their statistics.
-
-        During --critic-warmup only the critic learns."""
-        with self.watch.lap("time_update"):
-            return ppo.ppo_update(episodes, self.policy, self.critic, self.hp,
-                                  move_policy=it > self.cfg.critic_warmup,
-                                  pad_id=self.sampling.pad_id, device=self.device,
-                                  autocast=self.autocast)
-
-    def finish(self, it: int, episodes, stats: dict, diagnostics: dict, mc_counts):
-        """Phase 9 evaluates, logs the iteration's row and saves a checkpoint, each when due.
-
-        The row and the checkpoint count to the next iteration's time_save."""
-        cfg, watch = self.cfg, self.watch
-        with watch.lap("time_eval"):
-            scores = (evaluate(self.policy.model, self.run.eval_set, cfg, self.sampling,
-                               self.autocast, it)
+        # each phase's block is timed (time_rollout, ...); the models it runs are under autocast
+        watch = parallel.Stopwatch(watch, autocast)
+        with watch.phase("time_rollout", policy.model):
+            # 1. prompts, 2. responses and their rewards, 3. steps
+            problems = tasks.draw_problems(run.train_set, cfg.prompts_per_iter, cfg.seed + it,
+                                            rank, world)  # shuffled by seed + iteration
+            episodes = rollout.sample_episodes(policy.model, problems, cfg.samples_per_prompt,
+                                               sampling)
+            prompts.warn_if_unread(episodes, tok, f"iteration {it}")
+            vine.split_steps(episodes, tok)
+        # 4. old log-probs, 5. VinePPO's MC values (or the critic's values)
+        mc_counts = logprobs_and_values(cfg, episodes, policy, critic, sampling, mc, cheaper,
+                                        watch)
+        with watch.phase("time_advantages"):  # 6. advantages: VinePPO's, GAE's or GRPO's
+            diagnostics = ppo.assign_advantages(cfg.algo, episodes, cfg.gamma, cfg.lam,
+                                                cfg.lam_critic, reuse=cfg.mc_reuse)
+        with watch.phase("time_reference", run.ref):  # 7. reference log-probs, once
+            rollout.reference_logprobs(run.ref, episodes, cfg.temperature, sampling.pad_id,
+                                       cfg.forward_batch_tokens)
+        with watch.phase("time_update"):  # 8. epochs of clipped PPO
+            stats = ppo.ppo_update(episodes, policy, critic, hp,
+                                   move_policy=it > cfg.critic_warmup, pad_id=sampling.pad_id,
+                                   device=device, autocast=autocast)
+        with watch.phase("time_eval"):  # 9. evaluate, log, checkpoint
+            scores = (evaluate(policy.model, run.eval_set, cfg, sampling, autocast, it)
                       if scheduled(it, cfg.eval_every, cfg.iterations) else {})
-        row = parallel.iteration_metrics(episodes, stats, diagnostics, mc_counts, self.policy,
-                                         watch)
+        row = parallel.iteration_metrics(episodes, stats, diagnostics, mc_counts, policy, watch)
         parallel.log(cfg.out, {"iteration": it, **row, **scores})
         if scheduled(it, cfg.save_every, cfg.iterations):
-            checkpoint.save_training_state(cfg, it, self.tok, self.policy, self.critic)
+            checkpoint.save_training_state(cfg, it, tok, policy, critic)
+    return policy.model
+
+
+def algorithm_settings(cfg: Config, tok, model, world: int):
+    """Reads from cfg the settings of sampling, of the MC values and of the update.
+
+    Returns rollout.Sampling, vine.MCSettings, vine_cheaper.CheaperSettings and
+    ppo.PPOSettings."""
+    stops = prompts.stop_ids(tok, model, cfg.chat)  # every id that ends a response, SFT's first
+    sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
+                                max_new_tokens=cfg.max_new_tokens, eos_id=stops[0], eos_ids=stops,
+                                pad_id=rollout.pad_id(tok), stop=reward.STOP, tokenizer=tok,
+                                max_batch_tokens=cfg.max_batch_tokens)
+    mc = vine.MCSettings(k=cfg.mc_rollouts, max_states=cfg.max_value_states)
+    cheaper = vine_cheaper.CheaperSettings(max_k=cfg.mc_max_rollouts, increment=cfg.mc_increment,
+                                           ci_width=cfg.mc_ci_width, reuse=cfg.mc_reuse,
+                                           top_up=cfg.mc_top_up)
+    # GRPO's advantages are already normalised per group: whitening again would re-centre them
+    hp = ppo.PPOSettings(epochs=cfg.epochs, minibatch=cfg.minibatch // world,
+                         micro_batch=cfg.micro_batch, temperature=cfg.temperature, clip=cfg.clip,
+                         kl_coef=cfg.kl_coef, value_clip=cfg.value_clip,
+                         whiten=cfg.algo != "grpo")
+    return sampling, mc, cheaper, hp
+
+
+def logprobs_and_values(cfg: Config, episodes, policy, critic, sampling, mc, cheaper,
+                        watch) -> collections.Counter:
+    """Phases 4 and 5: sets the old log-probs, then the values, and returns the MC counts.
+
+    The log-prob pass runs a chunk of prompts at a time (batching.group_chunks), and VinePPO
+    forks that pass's KV cache (row e is chunk[e]) before the next chunk's pass.
+    PPO and TPPO take the critic's V(s_t) before each token instead."""
+    mc_counts, keep = collections.Counter(), cfg.algo == "vineppo" and not cfg.no_fork
+    with watch.autocast, parallel.unsharded(policy.model):
+        for chunk in batching.group_chunks(episodes, cfg.forward_batch_tokens):
+            with watch.lap("time_logprobs"):
+                cache = rollout.old_logprobs(policy.model, chunk, cfg.temperature,
+                                             sampling.pad_id, keep_cache=keep)
+            if cfg.algo == "vineppo":
+                with watch.lap("time_mc_values"):
+                    mc_counts += value_with_mc(policy.model, chunk, cache, sampling, mc, cheaper)
+            del cache  # before the next chunk's forward pass allocates its own
+    if critic is not None:
+        with watch.phase("time_critic_values", critic.model):
+            value.critic_values(critic.model, episodes, sampling.pad_id, cfg.forward_batch_tokens)
+    return mc_counts
 
 
 def value_with_mc(model, chunk, cache, sampling, mc, cheaper) -> collections.Counter:

@@ -6,7 +6,7 @@ mentions it)."""
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -193,13 +193,14 @@ PHASES = (*TRAINING, "time_eval", "time_save")
 class Stopwatch(dict):
     """The seconds of each phase of one iteration, the time_* metrics.
 
-    `with watch.lap(phase):` ends a lap with its block and adds the lap's seconds to phase.
-    A lap starts where the one before it ended (the first where the stopwatch started).
-    So every second of the iteration counts to one phase.
-    time_save holds the previous iteration's seconds after its last lap (its row, checkpoint)."""
+    A lap starts where the one before it ended (the first where the stopwatch started), and
+    `with watch.lap(phase):` ends one with its block, adding its seconds to phase. So every
+    second of the iteration counts to one phase. time_save holds the previous iteration's
+    seconds after its last lap (its row and checkpoint)."""
 
-    def __init__(self, previous=None):
+    def __init__(self, previous=None, autocast=None):
         super().__init__(dict.fromkeys(PHASES, 0.0))
+        self.autocast = autocast or nullcontext()  # bf16 autocast, or nothing
         self.began = self.last = time.time()
         if previous is not None:
             self["time_save"] = self.began - previous.last
@@ -210,6 +211,13 @@ class Stopwatch(dict):
         now = time.time()
         self[phase] += now - self.last
         self.last = now
+
+    @contextmanager
+    def phase(self, name: str, *models):
+        """A lap of train.main's loop. Given models, it runs them under autocast, and whole
+        under FSDP (unsharded)."""
+        with self.lap(name), (self.autocast if models else nullcontext()), unsharded(*models):
+            yield
 
 
 def iteration_metrics(episodes, stats: dict, diagnostics: dict, mc_counts: dict, policy,
