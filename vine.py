@@ -7,15 +7,20 @@ A continuation is what `generate` samples after the state is encoded afresh
 (continuations_by_definition; docs/mc-values-by-definition.md computes the values that way
 alone); fork.py samples the same distribution faster, from the old-log-prob pass's KV cache.
 
-The path of one MC value, as train.main runs it:
+The path of one MC value, as train.main runs it. Each line is a call, then what it sets:
 
-    split_steps                ep.step_starts, where each step begins: s_i's end
-    rollout.old_logprobs       a forward pass; its KV cache's row e holds episodes[e]
-    mc_values                  V_hat of each distinct state, from that cache:
-      continuation_rewards       K continuations of each state, graded with its response
-                                 prefix (reward.response_reward): continuations_by_definition
-                                 (--no-fork), or forked (fork.continue_from_cache)
-    ppo.assign_advantages      -> episode_advantages: step_advantages, token_advantages
+  split_steps(episodes, tok)                 ep.step_starts [n]: the token where step i begins
+  train.logprobs_and_values, for each chunk of episodes (a prompt's responses stay together):
+    rollout.old_logprobs(model, chunk, ...)  ep.old_logp [T]; it returns the pass's KV cache,
+                                             whose row e holds chunk[e]
+    mc_values(model, chunk, cache, ...)      ep.step_values [n]: V_hat(s_i) for each step start
+      distinct_states                          each distinct state once, as (e, b): chunk[e]
+                                               with its response cut before token b
+      continuation_rewards                     K continuations of each state, graded
+        continuations_by_definition              the plain path (--no-fork): encode, generate
+        fork.continue_from_cache                 the default: the same, forked from row e
+  ppo.assign_advantages -> episode_advantages  ep.advantages [T]: A_i on each token of step i
+  ppo.ppo_update -> minibatch_step -> ppo_loss the advantages, whitened, weight the ratio
 
 The cheaper settings (adaptive K, reuse, top-up), off by default, are in vine_cheaper.py.
 """
@@ -83,8 +88,15 @@ def line_step_offsets(text: str, boxed: bool = False) -> list[int]:
 
 
 def token_steps(texts: list[str], opens: list[int]) -> list[int]:
-    """The token index where each step starts, given the character offsets `opens` where
-    steps 1, 2, ... start. Step 0 starts at token 0; a token is in its first character's step."""
+    """Map the steps from characters to tokens: the token index where each step starts.
+
+    `opens` holds the character offsets where steps 1, 2, ... start; step 0 starts at token 0.
+    A token belongs to the step of its first character. A token like '\n#' that holds a
+    step's closing '\n' and more stays in the step that '\n' closes:
+        texts    '7'  '+2'  '.\n'  '9'  '\n#'  '###'  ' 4'     text '7+2.\n9\n#### 4'
+        firsts    0    1     3      5    6      8      11      opens [5, 7]
+        steps     0    0     0      1    1      2      2       step starts [0, 3, 5]
+    test_step_split_of_one_byte_level_bpe_response_by_hand follows a real BPE response."""
     # each token's first character
     firsts = list(accumulate((len(t) for t in texts), initial=0))[:-1]
     steps = [bisect_right(opens, char) for char in firsts]  # steps opened at or before it
