@@ -96,7 +96,8 @@ def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: fl
 
     n is the number of response tokens, and each k3_t is clamped to [0, 10].
     When the mean ratio passes max_ratio the batch is skipped: its loss is multiplied by 0.
-    `over` serves micro-batches only: the whole minibatch's (n, N) (micro_batch_share)."""
+    A micro-batch passes `over`, the whole minibatch's (n, N): see the block below
+    minibatch_step. On one process with no micro-batches it is left out."""
     n_tokens, n_responses = (mask.sum().clamp(min=1), mask.shape[0]) if over is None else over
     mean = lambda x: (x * mask).sum() / n_tokens  # the token mean (a micro-batch: its part)
     log_ratio = (logp - old_logp) * mask
