@@ -9,19 +9,35 @@ to decode on, and `generate` samples on from there; many states go in one `gener
 With greedy decoding the two give the same tokens (test_vine.py's
 test_mc_values_by_definition_equal_the_forks; test_your_model.py's
 test_greedy_continuations_of_every_state_equal_a_fresh_encode, on 13 architectures).
-The fork relies on three things in transformers 5, and those tests would catch a change:
-- a forward pass with use_cache returns `out.cache` (formerly past_key_values), a DynamicCache;
-  iterating it yields each layer's (keys, values, ...), each [B, H, L, D];
-- `generate` feeds the model only the ids past the cache's length, and numbers a row's
-  positions by the cumulative sum of its attention mask, minus one (test_vine.py's
-  test_what_the_fork_relies_on_in_generate shows both; docs/reference.md has the lines);
-- a cache layer is a DynamicLayer with `keys`, `values`, `is_initialized` and `update`
-  (PreallocatedLayer).
 
-Reading order: fork_one_state (the whole idea, for one state), fork, copy_columns,
-PreallocatedLayer; then continue_from_cache, which does the same for many states at once
-(within_context_batches, forkable, fresh_decode). Below the line are the GPU's gather, the
-batches of least padding and their reused buffers.
+What the fork assumes of transformers 5 (read in the source of v5.25.0; each has a test)
+----------------------------------------------------------------------------------------
+- A forward pass with use_cache=True returns its KV cache in the output field `cache`.
+  transformers 4 called it past_key_values. In 5 `out.past_key_values` is only a deprecated
+  alias that returns `out.cache`, and `generate` takes the cache as `cache=` (it renames a
+  past_key_values= argument to that, with a warning).
+- That cache is a DynamicCache. Its list `layers` holds one layer per transformer block, and a
+  layer's `keys` and `values` are tensors [B, H, L, D] (batch rows, key-value heads, one
+  column per token, head size). Iterating the cache yields each layer's (keys, values, a third
+  item fork ignores). test_vine.py's test_forked_logprobs_equal_full_forward forks states out
+  of such a cache and checks the log-probs against a full forward pass.
+- Given a cache of C columns, `generate` feeds the model only the ids from column C on. It
+  numbers a row's positions by the cumulative sum of its attention mask, minus one (padded
+  columns get 0), and each new token gets the previous position plus one.
+  test_vine.py's test_what_the_fork_relies_on_in_generate shows the first two
+  (docs/reference.md has the lines); the greedy tests above would catch the third.
+- While decoding, `generate` and the forward passes it runs call three methods of each cache
+  layer. `update` stores a new column's keys and values and returns all of them,
+  `get_seq_length` gives C, and `get_mask_sizes` gives the attention mask's width. They also
+  read the layer's keys, values, is_initialized, is_compileable and is_sliding.
+  PreallocatedLayer overrides `update` alone and keeps `keys` and `values` current, so the
+  get_seq_length and get_mask_sizes it inherits from DynamicLayer stay right.
+  test_forked_logprobs_equal_full_forward decodes three steps through it.
+
+Reading order: fork_one_state (the whole idea, for one state), fork, copy_columns; then
+continue_from_cache, which does the same for many states at once (within_context_batches,
+forkable, fresh_decode). Below the line are PreallocatedLayer (the cache layer fork fills),
+the GPU's gather, the batches of least padding and their reused buffers.
 """
 import torch
 from transformers import DynamicCache
@@ -41,7 +57,8 @@ def fork_one_state(model, cache, row: int, state: list[int], k: int, budget: int
     reused buffers, no fallback. The keys and values of the state's tokens but the last are
     copied k times (fork); `generate` feeds that last token, samples up to `budget` new ones,
     and each row is cut as continue_from_cache cuts it (generation.finish). With greedy decoding
-    the two give the same tokens (test_vine.py's test_forked_greedy_equals_reencoded_greedy)."""
+    the two give the same tokens (test_vine.py's test_forked_greedy_equals_reencoded_greedy).
+    fork's docstring follows a state of 4 tokens through it, column by column."""
     ids, mask, forked = fork(cache, [state], [row], k, budget, sampling.pad_id)  # ids [k, W]
     out = generation.generate(model, sampling, input_ids=ids, attention_mask=mask, cache=forked,
                               max_new_tokens=budget)
@@ -143,21 +160,29 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     """Reset to each prefix k times; return ids [n*k, W], their mask, and a cache to decode on.
 
     Prefix j is row rows[j] of `cache`, a right-padded pass (old_logprobs', or sample's
-    encoding of the prompts), so its token t's keys and values are in column t. One forked row
-    of a 4-token prefix, W = 6 (the longest prefix given), cache capacity W-1 + new_tokens:
+    encoding of the prompts), so its token t's keys and values are in column t. W is the
+    longest prefix's length. Each fork's row of the new cache is a buffer of W-1 + new_tokens
+    columns, and fork fills the first W-1. A fork of t0..t3 and one of the shorter u0 u1, W = 4:
 
-        column   0    1    2    3    4    5    6 ...
-        ids      pad  pad  p0   p1   p2   p3                  (W columns)
-        mask     0    0    1    1    1    1
-        cache    0    0    kv0  kv1  kv2  [room: p3's and the new tokens' keys, values]
+        column          0    1    2    3    4    5 ...
+        t's ids         t0   t1   t2   t3                (the ids given to generate)
+        t's mask        1    1    1    1
+        t's positions   0    1    2    3    4    5       (generate's, from the mask)
+        t's buffer      t0   t1   t2   .    .    .       (t0: t0's keys and values)
+        u's ids         pad  pad  u0   u1
+        u's mask        0    0    1    1
+        u's positions   0    0    0    1    2    3
+        u's buffer      0    0    u0   .    .    .       (.: room that decoding fills)
 
-    - left padding: every prefix ends in column W-1, so all forks decode in the same column;
-    - W-1 cached columns: `generate` feeds the model only the ids past the cache's length, so
-      it feeds the last prefix token itself (its logits pick the first new token);
-    - positions from the mask: `generate` numbers a row's tokens by the cumulative sum of its
-      mask, so p0 is position 0 whatever its padding, as in the pass that made the cache; the
-      copied keys keep the rotary positions that pass gave them, so p3 (fed at position 3) and
-      the new tokens (4, 5, ...) see the keys a fresh encoding of the prefix makes (to rounding).
+    - Left padding makes every prefix end in column W-1, so all forks decode in step.
+    - Only W-1 columns are cached, so `generate` feeds the model column W-1 alone (t3 at
+      position 3, u1 at 1). That writes their keys and values into column W-1, and their
+      logits pick the first new tokens, fed next in column W (at positions 4 and 2).
+    - Positions come from the mask, so u0 is position 0 whatever its padding, as in the pass
+      that made the cache. The copied keys keep the rotary positions that pass gave them, so
+      the fed tokens see the keys a fresh encoding of the prefix makes (to rounding).
+    - Padded columns are set to zero. The mask hides them, but a NaN left in fresh memory
+      would leak through it (0 * NaN).
     `method` is "copy" (block copies, into buffers from `allocate` when given) or "gather" (one
     indexed read per layer, the default on a GPU); the two give equal buffers.
     docs/one-response.md, step 5, shows two demo states' forks column by column."""
@@ -183,6 +208,7 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
                                       allocate, (layer, "keys"))
             value_buffer = copy_columns(values, sources, ends, width, capacity, dtype,
                                         allocate, (layer, "values"))
+        # a DynamicLayer that writes each new column into the buffer's room (below the line)
         forked.layers.append(PreallocatedLayer(key_buffer, value_buffer, width - 1))
     return ids, mask, forked
 
@@ -197,6 +223,10 @@ def copy_columns(x, sources: list[int], ends: list[int], width: int, capacity: i
         buffer[i, :, : width - length] = 0  # masked, but 0 * NaN would leak through the mask
         buffer[i, :, width - length: width - 1] = x[row, :, : length - 1]
     return buffer
+
+
+# ---- engineering: the cache layer fork fills, the GPU's gather, the batches and their reused
+# buffers (skip on a first reading)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -216,10 +246,6 @@ class PreallocatedLayer(DynamicLayer):
         self.value_buffer[:, :, start:end] = value_states
         self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
         return self.keys, self.values
-
-
-# ---- engineering: the GPU's gather, the batches and their reused buffers (skip on a first
-# reading)
 
 
 def fork_dtype(cache, device):

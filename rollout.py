@@ -131,7 +131,7 @@ def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], samplin
     for part in batching.least_padding(list(map(len, prefixes)), budgets, [k] * len(prefixes),
                                        sampling.max_batch_tokens, batching.batch_overhead(model)):
         ids, mask = pad_right([prefixes[j] for j in part], sampling.pad_id, device)
-        # transformers 5 calls the KV cache `cache` (formerly past_key_values)
+        # `cache` is the pass's KV cache, what transformers 4 called past_key_values
         cache = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
         c, f = fork.continue_from_cache(model, [prefixes[j] for j in part], k,
                                         [budgets[j] for j in part], sampling, cache=cache,
