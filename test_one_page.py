@@ -82,7 +82,7 @@ def batch(tok) -> list[rollout.Episode]:
 
 
 def test_the_page_cuts_the_steps_of_split_steps(tiny):
-    """The page's plain loop and vine.split_steps (token_texts, line_step_starts, token_steps)
+    """The page's plain loop and vine.split_steps (token_texts, line_step_offsets, token_steps)
     start the same steps: the batch, a leading '\\n', an empty line, an answer line, text after
     the answer, and 1,500 random responses of the characters that matter and special tokens."""
     tok = tiny[0]

@@ -48,8 +48,9 @@ def split_steps(episodes: list[rollout.Episode], tok):
     so s_0 is the prompt, s_1 the prompt + '7+2=9\\n', s_2 the prompt + '7+2=9\\n9-5=4\\n'.
     Whether a prefix is a state depends only on its own tokens, so V_hat(s_i) is a baseline
     that does not look at the action (docs/reference.md shows why the reference's rule is
-    biased). MATH's rule cuts at sentences and lines (math_grader.math_step_offsets;
-    docs/math.md)."""
+    biased). A response without an answer line that ends in '\n' and EOS has one more step,
+    the EOS alone. MATH's rule cuts at sentences and lines (math_grader.math_step_offsets;
+    docs/math.md), and it looks ahead, so on MATH the advantage is not exactly unbiased."""
     for ep in episodes:
         ep.step_starts = response_step_starts(tok, ep.response_ids, math=ep.math,
                                               boxed=ep.style == "boxed")

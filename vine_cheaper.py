@@ -8,8 +8,9 @@ ppo.assign_advantages takes reuse_advantages.
 - adaptive K (--mc-max-rollouts) samples more continuations while a value's 95% interval is
   wide, by the reference's rule (more_rollouts; docs/reference.md);
 - reuse (--mc-reuse) counts each sampled response as one more continuation of every state it
-  passes through, never in the baseline of its own steps (reuse_step_advantages). This stays
-  exactly unbiased, as a state is decided by its own tokens (vine.split_steps);
+  passes through, never in the baseline of its own steps (reuse_step_advantages). Under
+  GSM8K's rule this stays exactly unbiased, as a state is decided by its own tokens
+  (vine.split_steps); MATH's rule looks ahead, so there it is not;
 - top-up (--mc-top-up, with reuse) gives a state only what brings it to K samples.
 docs/experiments.md measures what each buys.
 """
@@ -43,8 +44,9 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
       the mean is wider than ci_width, up to max_k (more_rollouts);
     - with reuse, each sampled response is one more continuation of every state it passes
       through and joins their values, except as the baseline of its own steps (ep.step_counts;
-      see reuse_step_advantages). The advantage stays exactly unbiased, as states are decided
-      by their own tokens (test_every_newline_closing_its_step_is_exactly_unbiased);
+      see reuse_step_advantages). Under GSM8K's rule the advantage stays exactly unbiased,
+      as states are decided by their own tokens
+      (test_every_newline_closing_its_step_is_exactly_unbiased);
     - with top_up (and reuse), a state gets only the continuations that bring its baselines to
       K samples, K minus the other responses through it (0 for the prompt of a group of K + 1)."""
     if cheaper.top_up and (cheaper.max_k or not cheaper.reuse):
