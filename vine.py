@@ -73,9 +73,13 @@ def response_step_starts(tok, response_ids: list[int], math: bool = False,
 def line_step_offsets(text: str, boxed: bool = False) -> list[int]:
     """The character offsets where steps 1, 2, ... start: every '\\n' closes its step, unless
     the text before it is blank (leading empty lines join the first line) or already holds the
-    answer ('####', or '\\boxed' with boxed). Each rule reads only the text before the '\\n',
-    so no state depends on what follows it; a new rule must keep that, or A_i is biased
-    (docs/reference.md, Steps).
+    answer ('####', or '\\boxed' with boxed).
+
+    To change how steps are cut, change this function. A new rule must decide each offset
+    from the text before it alone, as this one does, or A_i is biased (docs/reference.md,
+    Steps, has a worked example). token_steps, the MC values and the fork need no change.
+    test_every_newline_closing_its_step_is_exactly_unbiased runs this function on toy
+    responses of 'a', '\\n', '####' and two ends; add a token your rule reads to its texts.
     Cases (steps split at the offsets):
         '\\na\\nb\\n#### 1'         \\na\\n | b\\n | #### 1        leading empty lines join
         'a\\n\\nb\\n#### 1'         a\\n | \\n | b\\n | #### 1     an empty line between: a step
@@ -225,7 +229,7 @@ def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) ->
     return [a for a, lo, hi in zip(step_adv, starts, ends) for _ in range(hi - lo)]
 
 
-# ---- engineering: the text of each token (skip on a first reading) -------------------------------
+# ---- the text of each token, which the step rule reads ------------------------------------------
 
 def token_texts(tok, ids: list[int]) -> list[str]:
     """The text each token adds to the decoded text: "".join(texts) is the text.
