@@ -9,6 +9,7 @@ to decode on, and `generate` samples on from there; many states go in one `gener
 With greedy decoding the two give the same tokens (test_vine.py's
 test_mc_values_by_definition_equal_the_forks; test_your_model.py's
 test_greedy_continuations_of_every_state_equal_a_fresh_encode, on 13 architectures).
+Understanding VinePPO, or changing its steps or its K, does not need this file.
 
 What the fork assumes of transformers 5 (read in the source of v5.25.0; each has a test)
 ----------------------------------------------------------------------------------------
