@@ -54,10 +54,11 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
                          "not with max_k")
     states = vine.distinct_states(episodes, mc.max_states)
     through = responses_through(states, episodes) if cheaper.reuse else {}
-    # K each, or with top-up what brings the state's baselines to K samples. A baseline holds
-    # the responses through the state but its own (value_samples), len(through[key]) - 1 of them
-    wanted = {key: max(0, mc.k - len(through[key]) + 1) if cheaper.top_up else mc.k
-              for key in states}
+    # K each, or with top-up what brings the state's baselines to K samples. A response's
+    # baseline of a state holds the other responses through it (value_samples), and `through`
+    # counts the response itself too
+    others = lambda key: len(through[key]) - 1
+    wanted = {key: max(0, mc.k - others(key)) if cheaper.top_up else mc.k for key in states}
     more = None  # how many more continuations a state gets after a round (adaptive K)
     if cheaper.max_k:
         more = lambda rewards: more_rollouts(rewards, cheaper.increment, cheaper.max_k,
@@ -81,9 +82,10 @@ def reuse_step_advantages(values: list, outcome: float, counts: list) -> list[fl
     so E[A_i | s_i, a_i] = Q(s_i, a_i) - V(s_i) still. The response never joins V(s_i), the
     baseline of the step whose action it continues: that would shrink E[A_i] by m / (m + 1)."""
     v = [outcome if x is None else x for x in values]
-    joined = [v[i] if values[i] is None else (counts[i] * v[i] + outcome) / (counts[i] + 1)
-              for i in range(1, len(v))]  # joined[i - 1] stands for V(s_i)
-    return [joined[i] - v[i] for i in range(len(v) - 1)] + [outcome - v[-1]]
+    # V_hat(s_i) with the response joined as one more sample: (m V_hat + R) / (m + 1)
+    joined = lambda i: (v[i] if values[i] is None
+                        else (counts[i] * v[i] + outcome) / (counts[i] + 1))
+    return [joined(i + 1) - v[i] for i in range(len(v) - 1)] + [outcome - v[-1]]
 
 
 def episode_step_advantages(ep: rollout.Episode, reuse: bool) -> list[float]:
