@@ -86,7 +86,7 @@ def k3_kl(logp, ref_logp):
 
 def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: float = 1e-4,
              max_ratio: float = 10.0, *, over=None):
-    """The clipped PPO loss plus a KL penalty, averaged over the N responses given.
+    """The clipped PPO loss plus a KL penalty, on the N responses given.
 
     logp, old_logp, ref_logp, adv and mask are [N, L-1]; mask is 1 on the response's tokens.
     Clipped PPO (Schulman et al. 2017, eq. 7) with r_t = pi / pi_old, and the KL penalty of

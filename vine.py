@@ -17,10 +17,13 @@ The path of one MC value, as train.main runs it. Each line is a call, then what 
       distinct_states                          each distinct state once, as (e, b): chunk[e]
                                                with its response cut before token b
       continuation_rewards                     K continuations of each state, graded
-        continuations_by_definition              the plain path (--no-fork): encode, generate
+        continuations_by_definition              the plain path (--no-fork), read it first:
+                                                 generate, then generation.finish cuts rows
         fork.continue_from_cache                 the default: the same, forked from row e
+        reward.response_reward                   R of the response prefix + a continuation
   ppo.assign_advantages -> episode_advantages  ep.advantages [T]: A_i on each token of step i
-  ppo.ppo_update -> minibatch_step -> ppo_loss the advantages, whitened, weight the ratio
+  ppo.ppo_update -> minibatch_step             collate puts the fields in [B, L-1] columns;
+    masked_whiten, ppo_loss                    the advantages, whitened, weight the ratio
 
 The cheaper settings (adaptive K, reuse, top-up), off by default, are in vine_cheaper.py.
 """

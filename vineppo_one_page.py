@@ -1,12 +1,16 @@
 """This file runs one iteration of VinePPO on the demo task, plain and slow, top to bottom.
 
 It follows Kazemnejad et al. 2024, arXiv 2410.01679v1; train.py runs the same method fast, and
-test_one_page.py checks that the two agree. `python vineppo_one_page.py` takes seconds on a CPU:
-    1. sample responses to a few prompts (model.generate)
-    2. cut each response into steps, a line a step
-    3. value each step's start s_i by the mean reward of K continuations, V_hat(s_i) (§4)
-    4. put A_i, the change of V_hat across step i, on every token of the step (§4)
-    5. the clipped PPO loss plus the k3 KL to a reference model (§5); one optimizer step
+test_one_page.py checks that the two agree. `python vineppo_one_page.py` takes seconds on a CPU.
+Each phase, the function here, and the project's function that does it fast:
+    1. sample responses to a few prompts        generate         rollout.sample_episodes
+    2. cut each response into steps, by lines   step_starts      vine.split_steps
+    3. V_hat(s_i), the mean reward of K         mc_value         vine.mc_values (each state
+       continuations of each step start (§4)                     once, forked from a KV cache)
+    4. A_i, the change of V_hat across step i,  step_advantages, vine.step_advantages,
+       on every token of the step (§4)          token_advantages vine.token_advantages
+    5. the clipped PPO loss plus the k3 KL to   ppo_loss         ppo.ppo_update, ppo.ppo_loss
+       a reference model (§5); one step                          (minibatches, micro-batches)
 """
 import copy
 import tempfile
