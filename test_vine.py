@@ -159,6 +159,18 @@ def hand_byte_level_bpe(merges: list[tuple[str, str]]) -> PreTrainedTokenizerFas
     return PreTrainedTokenizerFast(tokenizer_object=tk)
 
 
+def test_token_texts_docstring_trace():
+    """The trace in token_texts' docstring: 'a €.' in a byte-level BPE without merges, '€' as
+    three byte tokens, the first two adding '' (the window ends in half a character)."""
+    tok = hand_byte_level_bpe([])
+    ids = tok("a €.", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["a", "Ġ", "â", "Ĥ", "¬", "."]
+    assert vine.token_texts(tok, ids) == ["a", " ", "", "", "€", "."]
+    rows = [row.split() for row in vine.token_texts.__doc__.splitlines()
+            if row.strip().startswith("'") and len(row.split()) >= 6]
+    assert [row[0].strip("'") for row in rows] == ["a", "Ġ", "â", "Ĥ", "¬", "."]
+
+
 def test_step_split_of_one_byte_level_bpe_response_by_hand():
     r"""One byte-level BPE response through each stage of vine.response_step_starts, as a table.
 

@@ -239,7 +239,15 @@ def token_texts(tok, ids: list[int]) -> list[str]:
 
     Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9'; its text
     here is ' 9'), and a byte token can be part of a character: its text is '' until the
-    character is complete (incremental detokenizing; docs/reference.md)."""
+    character is complete (incremental detokenizing; docs/reference.md). The loop on 'a €.'
+    in a byte-level BPE, '€' three byte tokens (start, read and shown after each token):
+        token  window decoded  its text  start  read  shown
+        'a'    'a'             'a'       0      1     'a'
+        'Ġ'    'a '            ' '       1      2     ' '
+        'â'    ' �'            ''        1      2     ' '      the window ends in half a
+        'Ĥ'    ' �'            ''        1      2     ' '      character: wait
+        '¬'    ' €'            '€'       2      5     '€'
+        '.'    '€.'            '.'       5      6     '.'"""
     decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
     # Tokens before `read` have their texts. The decoded window begins at `start`, where the last
     # non-empty text began, so that a token's leading space survives. `shown` is the window's
