@@ -2,7 +2,7 @@
 
 That is VinePPO's environment reset (arXiv 2410.01679v1, §3), made cheap. A continuation of a
 state is, by definition, what `generate` samples after the state is encoded afresh
-(vine.continuations_by_definition). The fork gets the same continuations faster: the state's
+(rollout.sample_by_definition). The fork gets the same continuations faster: the state's
 keys and values are copied out of the KV cache of the pass that already encoded it (the
 old-log-prob pass, or rollout.sample's encoding of the prompts), k times, into buffers with room
 to decode on, and `generate` samples on from there; many states go in one `generate` call.

@@ -3,7 +3,7 @@
 - generate samples from softmax(logits / T) with top-p, and no setting of the model's own;
 - within_context cuts a row's budget to what the model's context leaves;
 - finish cuts a row after its end id, to its budget and before the stop string.
-vine.continuations_by_definition samples MC continuations with these alone; fork.py gets the same
+rollout.sample_by_definition samples with these alone; fork.py gets the same
 continuations faster, from a KV cache. Below the line: the stop string's cut, generate's settings.
 """
 from transformers import GenerationConfig

@@ -49,6 +49,7 @@ class Sampling:
     tokenizer: object = None       # decodes text, for the stop string and for grading
     max_batch_tokens: int = 65536  # one generate call's budget, rows x (prefix + new tokens)
     eos_ids: tuple[int, ...] = ()  # more ids that end a response (generation config, chat turn)
+    fork: bool = True              # False (--no-fork): every sample by sample_by_definition
 
     @property
     def stops(self) -> tuple[int, ...]:
@@ -117,14 +118,41 @@ def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> 
 
 
 @torch.no_grad()
+def sample_by_definition(model, states: list[list[int]], k: int, budgets: list[int],
+                         sampling):
+    """Sample k continuations of each state by definition, and whether each finished ([n][k]).
+
+    Each state (a prompt, or VinePPO's prompt + response prefix) is encoded afresh and
+    `generate` samples k rows of what follows it. Each budget
+    is cut to what the model's context leaves (generation.within_context). Each row is cut after
+    its end id, to its budget and before the stop string (generation.finish), and it is
+    finished when it stopped by itself."""
+    budgets = generation.within_context(model, states, budgets)
+    device, conts, finished = next(model.parameters()).device, [], []
+    for state, budget in zip(states, budgets):
+        ids = torch.tensor([state] * k, device=device)  # [k, len(state)]
+        new = [[] for _ in range(k)]
+        if budget > 0:
+            new = generation.generate(model, sampling, input_ids=ids, max_new_tokens=budget,
+                                      attention_mask=torch.ones_like(ids))[:, len(state):].tolist()
+        rows = [generation.finish(row, budget, sampling.stops, sampling.tokenizer,
+                                  sampling.stop, state) for row in new]
+        conts.append([row for row, _ in rows])
+        finished.append([done for _, done in rows])
+    return conts, finished
+
+
+@torch.no_grad()
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling: Sampling):
     """Sample k continuations of each prefix; return them and their finished flags ([n][k]).
 
-    By definition this is `generate` on k copies of each prefix (vine.continuations_by_definition
-    does exactly that). Here it is faster: each prefix is encoded once, in the batch it will
-    decode in, and that batch's cache is forked k times (fork.continue_from_cache)."""
+    By definition this is sample_by_definition, which it runs under --no-fork. Otherwise it is
+    the same distribution, faster: each prefix is encoded once, in the batch it will decode in,
+    and that batch's cache is forked k times (fork.continue_from_cache)."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
+    if not sampling.fork:
+        return sample_by_definition(model, prefixes, k, budgets, sampling)
     budgets = generation.within_context(model, prefixes, budgets)
     device = next(model.parameters()).device
     conts, finished = [None] * len(prefixes), [None] * len(prefixes)

@@ -3,6 +3,7 @@ import bisect
 import collections
 import contextlib
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -662,7 +663,7 @@ def test_forked_greedy_equals_reencoded_greedy(model):
 
 
 def test_mc_values_by_definition_equal_the_forks(model, monkeypatch):
-    """--no-fork (cache None: each state encoded afresh, vine.continuations_by_definition) and the
+    """--no-fork (cache None: each state encoded afresh, rollout.sample_by_definition) and the
     fork give the same continuations greedy, so the same MC values and step advantages, under a
     reward that reads every continuation token."""
     seqs = random_seqs([9, 12, 7])
@@ -677,6 +678,21 @@ def test_mc_values_by_definition_equal_the_forks(model, monkeypatch):
     vine.mc_values(model, episodes, None, greedy, vine.MCSettings(k=2))
     plain = [(ep.step_values, vine.episode_advantages(ep).tolist()) for ep in episodes]
     assert forked == plain and len({v for values, _ in plain for v in values}) >= 3
+
+
+def test_no_fork_samples_responses_by_definition_too(model, monkeypatch):
+    """--no-fork (Sampling.fork False): rollout.sample encodes each prompt afresh and never forks a
+    cache, and greedy gives the responses the fork gives."""
+    prompts = random_seqs([5, 8, 3])
+    greedy = rollout.Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, eos_id=2, pad_id=0)
+    forked = rollout.sample(model, prompts, 2, [12, 12, 12], greedy)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("forked under --no-fork")
+    monkeypatch.setattr(fork, "continue_from_cache", refuse)
+    plain = rollout.sample(model, prompts, 2, [12, 12, 12], dataclasses.replace(greedy, fork=False))
+    assert plain == forked and any(len(row) > 1 for rows in plain[0] for row in rows)
+    assert train.parse_args(["--no-fork"]).no_fork
 
 
 def first_forward_inputs(model, **generate_kwargs) -> dict:
@@ -1699,6 +1715,17 @@ def test_first_rl_step_starts_from_a_clean_gradient(tmp_path, monkeypatch):
     train.main(train.parse_args(["--algo", "grpo", "--out", str(tmp_path), *SMALL, "--kl-coef", "0",
                                  "--iterations", "1"]))
     assert numbers(tmp_path)[1]["grad_norm"] == 0.0
+
+
+@pytest.mark.slow
+def test_no_fork_runs_an_iteration_without_a_fork(tmp_path, monkeypatch):
+    """python train.py --no-fork: SFT, evaluation, responses and MC values, none of it forked."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("forked under --no-fork")
+    monkeypatch.setattr(fork, "continue_from_cache", refuse)
+    train.main(train.parse_args(["--no-fork", "--out", str(tmp_path), *SMALL,
+                                 "--iterations", "1"]))
+    assert numbers(tmp_path)[1]["mc_states"] > 0
 
 
 def test_last_checkpoint_survives_a_kill_between_renames(tmp_path):

@@ -307,7 +307,7 @@ def test_no_row_decodes_past_a_learned_position_table(name, monkeypatch):
     monkeypatch.setattr(fork, "forkable", lambda cache: False)
     afresh = fork.continue_from_cache(model, seqs, 2, [40, 40], greedy, cache=cache,
                                       rows=[0, 1])[0]
-    by_definition = vine.continuations_by_definition(model, seqs, 2, [40, 40], greedy)[0]
+    by_definition = rollout.sample_by_definition(model, seqs, 2, [40, 40], greedy)[0]
     assert forked == sampled == afresh == by_definition == [[a, a] for a in alone]
 
 

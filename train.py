@@ -78,8 +78,8 @@ class Config:
     mc_rollouts: int = arg(9, "K: continuations per state for the MC value", at_least(1))
     max_value_states: int = arg(26, "MC-valued states per response (s_0..s_25); "
                                     "later: the return; 0: all", at_least(0))
-    no_fork: bool = arg(False, "MC values by their definition: each state encoded afresh, not "
-                               "forked from the KV cache (slower; the same distribution)")
+    no_fork: bool = arg(False, "every sample (responses, MC values) by its definition: each "
+                               "prefix encoded afresh, not forked (slower; same distribution)")
     mc_max_rollouts: int = arg(0, "adaptive MC values (the reference's: 30): --mc-rollouts first, "
                                   "then more while V_hat's 95-percent interval > --mc-ci-width, "
                                   "never more than this in all (the last round is cut to fit); "
@@ -224,7 +224,7 @@ def algorithm_settings(cfg: Config, tok, model, world: int):
     sampling = rollout.Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
                                 max_new_tokens=cfg.max_new_tokens, eos_id=stops[0], eos_ids=stops,
                                 pad_id=rollout.pad_id(tok), stop=reward.STOP, tokenizer=tok,
-                                max_batch_tokens=cfg.max_batch_tokens)
+                                max_batch_tokens=cfg.max_batch_tokens, fork=not cfg.no_fork)
     mc = vine.MCSettings(k=cfg.mc_rollouts, max_states=cfg.max_value_states)
     cheaper = vine_cheaper.CheaperSettings(max_k=cfg.mc_max_rollouts, increment=cfg.mc_increment,
                                            ci_width=cfg.mc_ci_width, reuse=cfg.mc_reuse,

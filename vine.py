@@ -4,7 +4,7 @@ Each response is cut into reasoning steps. From the start s_i of every step the 
 K more continuations; the mean of their rewards estimates V(s_i) (mc_values), and every token of
 step i takes the advantage A_i, the change of that estimate over the step (step_advantages).
 A continuation is what `generate` samples after the state is encoded afresh
-(continuations_by_definition; docs/mc-values-by-definition.md computes the values that way
+(rollout.sample_by_definition; docs/mc-values-by-definition.md computes the values that way
 alone); fork.py samples the same distribution faster, from the old-log-prob pass's KV cache.
 
 The path of one MC value, as train.main runs it. Each line is a call, then what it sets:
@@ -17,7 +17,7 @@ The path of one MC value, as train.main runs it. Each line is a call, then what 
       distinct_states                          each distinct state once, as (e, b): chunk[e]
                                                with its response cut before token b
       continuation_rewards                     K continuations of each state, graded
-        continuations_by_definition              the plain path (--no-fork), read it first:
+        rollout.sample_by_definition             the plain path (--no-fork), read it first:
                                                  generate, then generation.finish cuts rows
         fork.continue_from_cache                 the default: the same, forked from row e
         reward.response_reward                   R of the response prefix + a continuation
@@ -35,7 +35,6 @@ from itertools import accumulate
 import torch
 
 import fork
-import generation
 import math_grader
 import reward
 import rollout
@@ -127,7 +126,7 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
     A state is the prompt plus the response up to a step start; each distinct one is valued
     once. Its K continuations are forked from `cache`, the old-log-prob pass over exactly these
     episodes (train.main's chunk), whose row e holds episodes[e]; with cache None each state is
-    encoded afresh (continuations_by_definition). A continuation is graded as the state's
+    encoded afresh (rollout.sample_by_definition). A continuation is graded as the state's
     response prefix plus the continuation. States past the first mc.max_states get None
     (step_advantages puts R there). Returns the counts of states, continuations and their tokens."""
     states = distinct_states(episodes, mc.max_states)  # state tokens -> (episode e, step start b)
@@ -163,7 +162,7 @@ def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: in
 
     Returns their rewards, [len(keys)][k], and their token count. A continuation is what the
     policy samples after the state is encoded afresh: by definition when cache is None
-    (continuations_by_definition, train.py --no-fork), otherwise the same distribution faster,
+    (rollout.sample_by_definition, train.py --no-fork), otherwise the same distribution faster,
     forked from the old-log-prob pass's cache in one batched call (fork.continue_from_cache).
     A continuation that did not stop within its budget scores 0. keys may name a state twice;
     vine_cheaper.sampling_rounds asks for one continuation at a time that way."""
@@ -171,7 +170,7 @@ def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: in
     budgets = [sampling.max_new_tokens - b for _, b in holders]  # what the response's b leaves
     prefixes = [list(key) for key in keys]  # prompt + response up to the step start
     if cache is None:
-        conts, finished = continuations_by_definition(model, prefixes, k, budgets, sampling)
+        conts, finished = rollout.sample_by_definition(model, prefixes, k, budgets, sampling)
     else:
         conts, finished = fork.continue_from_cache(model, prefixes, k, budgets, sampling,
                                                    cache=cache, rows=[e for e, _ in holders])
@@ -181,30 +180,6 @@ def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: in
         rewards.append([reward.response_reward(episodes[e], prefix + c, sampling.tokenizer)
                         if f else 0.0 for c, f in zip(continuations, stopped)])
     return rewards, sum(len(c) for continuations in conts for c in continuations)
-
-
-@torch.no_grad()
-def continuations_by_definition(model, states: list[list[int]], k: int, budgets: list[int],
-                                sampling):
-    """Sample k continuations of each state by definition, and whether each finished ([n][k]).
-
-    Each state is encoded afresh and `generate` samples k rows of what follows it. Each budget
-    is cut to what the model's context leaves (generation.within_context). Each row is cut after
-    its end id, to its budget and before the stop string (generation.finish), and it is
-    finished when it stopped by itself."""
-    budgets = generation.within_context(model, states, budgets)
-    device, conts, finished = next(model.parameters()).device, [], []
-    for state, budget in zip(states, budgets):
-        ids = torch.tensor([state] * k, device=device)  # [k, len(state)]
-        new = [[] for _ in range(k)]
-        if budget > 0:
-            new = generation.generate(model, sampling, input_ids=ids, max_new_tokens=budget,
-                                      attention_mask=torch.ones_like(ids))[:, len(state):].tolist()
-        rows = [generation.finish(row, budget, sampling.stops, sampling.tokenizer,
-                                  sampling.stop, state) for row in new]
-        conts.append([row for row, _ in rows])
-        finished.append([done for _, done in rows])
-    return conts, finished
 
 
 def step_advantages(values: list[float | None], outcome: float) -> list[float]:
