@@ -123,10 +123,10 @@ def sample_by_definition(model, states: list[list[int]], k: int, budgets: list[i
     """Sample k continuations of each state by definition, and whether each finished ([n][k]).
 
     Each state (a prompt, or VinePPO's prompt + response prefix) is encoded afresh and
-    `generate` samples k rows of what follows it. Each budget
-    is cut to what the model's context leaves (generation.within_context). Each row is cut after
-    its end id, to its budget and before the stop string (generation.finish), and it is
-    finished when it stopped by itself."""
+    `generate` samples k rows of what follows it. Each budget is cut to what the model's
+    context leaves (generation.within_context). Each row is cut after its end id, to its budget
+    and before the stop string (generation.finish), and it is finished when it stopped by
+    itself."""
     budgets = generation.within_context(model, states, budgets)
     device, conts, finished = next(model.parameters()).device, [], []
     for state, budget in zip(states, budgets):

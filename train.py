@@ -244,7 +244,7 @@ def logprobs_and_values(cfg: Config, episodes, policy, critic, sampling, mc, che
     The log-prob pass runs a chunk of prompts at a time (batching.group_chunks), and VinePPO
     forks that pass's KV cache (row e is chunk[e]) before the next chunk's pass.
     PPO and TPPO take the critic's V(s_t) before each token instead."""
-    mc_counts, keep = collections.Counter(), cfg.algo == "vineppo" and not cfg.no_fork
+    mc_counts, keep = collections.Counter(), cfg.algo == "vineppo" and sampling.fork
     with watch.autocast, parallel.unsharded(policy.model):
         for chunk in batching.group_chunks(episodes, cfg.forward_batch_tokens):
             with watch.lap("time_logprobs"):
