@@ -391,6 +391,23 @@ def fake_mc_sampling(monkeypatch):
     return calls, sampling, eps
 
 
+def test_state_rewards_gives_each_state_its_own_count(monkeypatch):
+    """vine.mc_values' `wanted`: K for all is one prefix of K rows a state, else a row each."""
+    calls, sampling, eps = fake_mc_sampling(monkeypatch)
+    states = vine.distinct_states(eps)
+    assert list(states) == [(1,), (1, 3), (1, 4)]
+    rewards, tokens = vine.state_rewards(None, eps, CACHE, states, dict.fromkeys(states, 2),
+                                         sampling)
+    # a row j of a prefix not ending in 3 is right when j is odd
+    assert calls == [(3, 2)] and tokens == 6
+    assert rewards == {(1,): [0.0, 1.0], (1, 3): [1.0, 1.0], (1, 4): [0.0, 1.0]}
+    calls.clear()
+    wanted = {(1,): 3, (1, 3): 1, (1, 4): 0}
+    rewards, tokens = vine.state_rewards(None, eps, CACHE, states, wanted, sampling)
+    assert calls == [(4, 1)] and tokens == 4  # every row is a row 0
+    assert rewards == {(1,): [0.0, 0.0, 0.0], (1, 3): [1.0], (1, 4): []}
+
+
 def test_mc_max_rollouts_is_a_cap(monkeypatch):
     """--mc-rollouts 2 --mc-max-rollouts 3 --mc-increment 50: at most 3 continuations a state (52
     before)."""

@@ -16,7 +16,8 @@ The path of one MC value, as train.main runs it. Each line is a call, then what 
     mc_values(model, chunk, cache, ...)      ep.step_values [n]: V_hat(s_i) for each step start
       distinct_states                          each distinct state once, as (e, b): chunk[e]
                                                with its response cut before token b
-      continuation_rewards                     K continuations of each state, graded
+      state_rewards                            wanted[state] continuations of each, K by default
+      continuation_rewards                     the continuations sampled and graded
         rollout.sample_by_definition             the plain path (--no-fork), read it first:
                                                  generate, then generation.finish cuts rows
         fork.continue_from_cache                 the default: the same, forked from row e
@@ -130,13 +131,15 @@ def mc_values(model, episodes: list[rollout.Episode], cache, sampling: rollout.S
     response prefix plus the continuation. States past the first mc.max_states get None
     (step_advantages puts R there). Returns the counts of states, continuations and their tokens."""
     states = distinct_states(episodes, mc.max_states)  # state tokens -> (episode e, step start b)
-    keys = list(states)
-    rewards, tokens = continuation_rewards(model, episodes, cache, states, keys, mc.k, sampling)
-    by_state = dict(zip(keys, rewards))  # state -> its K rewards
+    # How many continuations each state gets: K each, as in the paper. To give a state its own
+    # count, change it here (vine_cheaper's settings do); every state needs at least one.
+    wanted = {key: mc.k for key in states}
+    rewards, tokens = state_rewards(model, episodes, cache, states, wanted, sampling)
     for ep in episodes:
-        ep.step_values = [None if key is None else sum(by_state[key]) / len(by_state[key])
+        ep.step_values = [None if key is None else sum(rewards[key]) / len(rewards[key])
                           for key in state_keys(ep, mc.max_states)]
-    return Counter(mc_states=len(states), mc_continuations=mc.k * len(states), mc_tokens=tokens)
+    return Counter(mc_states=len(states), mc_continuations=sum(map(len, rewards.values())),
+                   mc_tokens=tokens)
 
 
 def distinct_states(episodes: list[rollout.Episode], max_states: int = 0) -> dict:
@@ -157,6 +160,22 @@ def state_keys(ep: rollout.Episode, max_states: int = 0) -> list:
             for i, b in enumerate(ep.step_starts)]
 
 
+def state_rewards(model, episodes, cache, states: dict, wanted: dict, sampling):
+    """Sample and grade wanted[state] continuations of each state, in one call of
+    continuation_rewards; return {state: their rewards} and their token count.
+
+    When every state wants the same k, each state is one prefix of k rows. Otherwise each state
+    is named once per continuation, one row each."""
+    todo = {key: n for key, n in wanted.items() if n > 0}
+    k = next(iter(todo.values())) if len(set(todo.values())) == 1 else 1
+    keys = [key for key, n in todo.items() for _ in range(n // k)]
+    got, tokens = continuation_rewards(model, episodes, cache, states, keys, k, sampling)
+    rewards = {key: [] for key in states}
+    for key, key_rewards in zip(keys, got):
+        rewards[key] += key_rewards
+    return rewards, tokens
+
+
 def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: int, sampling):
     """Sample and grade k continuations of each state in keys.
 
@@ -164,8 +183,8 @@ def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: in
     policy samples after the state is encoded afresh: by definition when cache is None
     (rollout.sample_by_definition, train.py --no-fork), otherwise the same distribution faster,
     forked from the old-log-prob pass's cache in one batched call (fork.continue_from_cache).
-    A continuation that did not stop within its budget scores 0. keys may name a state twice;
-    vine_cheaper.sampling_rounds asks for one continuation at a time that way."""
+    A continuation that did not stop within its budget scores 0. keys may name a state twice
+    (state_rewards does, when states want different counts)."""
     holders = [states[key] for key in keys]  # (e, b): episodes[e], row e of the cache, holds it
     budgets = [sampling.max_new_tokens - b for _, b in holders]  # what the response's b leaves
     prefixes = [list(key) for key in keys]  # prompt + response up to the step start

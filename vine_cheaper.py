@@ -144,17 +144,14 @@ def responses_through(states: dict, episodes: list[rollout.Episode]) -> dict:
 
 def sampling_rounds(model, episodes, cache, states: dict, wanted: dict, sampling, more=None):
     """Sample wanted[state] continuations of each state, then more(rewards) more while positive;
-    return {state: its continuations' rewards} and their token count. Each round is one call of
-    continuation_rewards, n rows a state when all want n, else a state once per continuation."""
+    return {state: its continuations' rewards} and their token count. Each round is one call
+    of vine.state_rewards."""
     rewards, tokens = {key: [] for key in states}, 0
     todo = {key: n for key, n in wanted.items() if n > 0}
     while todo:
-        n = next(iter(todo.values())) if len(set(todo.values())) == 1 else 1
-        keys = [key for key, want in todo.items() for _ in range(want // n)]
-        got, new_tokens = vine.continuation_rewards(model, episodes, cache, states, keys, n,
-                                                    sampling)
-        for key, state_rewards in zip(keys, got):
-            rewards[key] += state_rewards
+        got, new_tokens = vine.state_rewards(model, episodes, cache, states, todo, sampling)
+        for key in todo:
+            rewards[key] += got[key]
         tokens += new_tokens
         todo = {key: more(rewards[key]) for key in todo} if more else {}
         todo = {key: n for key, n in todo.items() if n > 0}
