@@ -24,7 +24,8 @@ What the fork assumes of transformers 5 (read in the source of v5.25.0; each has
   of such a cache and checks the log-probs against a full forward pass.
 - Given a cache of C columns, `generate` feeds the model only the ids from column C on. It
   numbers a row's positions by the cumulative sum of its attention mask, minus one (padded
-  columns get 0), and each new token gets the previous position plus one.
+  columns get 0; transformers 4 gave them 1), and each new token gets the previous position
+  plus one.
   test_vine.py's test_what_the_fork_relies_on_in_generate shows the first two
   (docs/reference.md has the lines); the greedy tests above would catch the third.
 - While decoding, `generate` and the forward passes it runs call three methods of each cache

@@ -164,11 +164,15 @@ def state_rewards(model, episodes, cache, states: dict, wanted: dict, sampling):
     """Sample and grade wanted[state] continuations of each state, in one call of
     continuation_rewards; return {state: their rewards} and their token count.
 
-    When every state wants the same k, each state is one prefix of k rows. Otherwise each state
-    is named once per continuation, one row each."""
+    continuation_rewards samples the same number of rows for every state it is given, so
+    a state that wants n continuations is given n times, one row each. When all states want
+    the same K, as in mc_values, each is given once, with K rows."""
     todo = {key: n for key, n in wanted.items() if n > 0}
-    k = next(iter(todo.values())) if len(set(todo.values())) == 1 else 1
-    keys = [key for key, n in todo.items() for _ in range(n // k)]
+    counts = set(todo.values())
+    if len(counts) == 1:  # every state wants K: each state once, K rows
+        keys, k = list(todo), counts.pop()
+    else:  # each state n times, one row each
+        keys, k = [key for key, n in todo.items() for _ in range(n)], 1
     got, tokens = continuation_rewards(model, episodes, cache, states, keys, k, sampling)
     rewards = {key: [] for key in states}
     for key, key_rewards in zip(keys, got):

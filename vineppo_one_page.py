@@ -24,7 +24,8 @@ from engineering import models, tasks  # the demo's tiny model and its problems
 
 @torch.no_grad()
 def generate(model, eos_id: int, ids: list[int], budget: int, temperature: float):
-    """Sample what the policy writes after `ids`; say whether it ended (EOS) within `budget`."""
+    """Sample what the policy writes after `ids`; say whether it ended (EOS) within `budget`.
+    It samples the whole softmax; train.py cuts it to top-p 0.9 by default (--top-p)."""
     x = torch.tensor([ids])
     sample = dict(do_sample=True, temperature=temperature, top_k=0)
     how = sample if temperature > 0 else dict(do_sample=False)  # 0: greedy
