@@ -219,6 +219,7 @@ def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = Fals
     temperature, as the reference does (docs/reference.md)."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
     logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
+    # out.cache: transformers 5's name for what transformers 4 called past_key_values
     return logp, (out.cache if keep_cache else None)
 
 

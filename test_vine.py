@@ -162,14 +162,18 @@ def hand_byte_level_bpe(merges: list[tuple[str, str]]) -> PreTrainedTokenizerFas
 
 def test_token_texts_docstring_trace():
     """The trace in token_texts' docstring: 'a €.' in a byte-level BPE without merges, '€' as
-    three byte tokens, the first two adding '' (the window ends in half a character)."""
+    three byte tokens, the first two adding '' (the decoded text ends in half a character)."""
     tok = hand_byte_level_bpe([])
     ids = tok("a €.", add_special_tokens=False)["input_ids"]
-    assert tok.convert_ids_to_tokens(ids) == ["a", "Ġ", "â", "Ĥ", "¬", "."]
-    assert vine.token_texts(tok, ids) == ["a", " ", "", "", "€", "."]
-    rows = [row.split() for row in vine.token_texts.__doc__.splitlines()
-            if row.strip().startswith("'") and len(row.split()) >= 6]
-    assert [row[0].strip("'") for row in rows] == ["a", "Ġ", "â", "Ĥ", "¬", "."]
+    tokens = ["a", "Ġ", "â", "Ĥ", "¬", "."]
+    assert tok.convert_ids_to_tokens(ids) == tokens
+    decoded = [tok.backend_tokenizer.decode(ids[: t + 1]) for t in range(len(ids))]
+    assert decoded == ["a", "a ", "a \ufffd", "a \ufffd", "a €", "a €."]
+    texts = vine.token_texts(tok, ids)
+    assert texts == ["a", " ", "", "", "€", "."]
+    rows = [row.split("'")[1::2] for row in vine.token_texts.__doc__.splitlines()
+            if row.strip().startswith("'") and row.count("'") == 6]
+    assert rows == [list(row) for row in zip(tokens, decoded, texts)]
 
 
 def test_step_split_of_one_byte_level_bpe_response_by_hand():

@@ -49,11 +49,11 @@ def split_steps(episodes: list[rollout.Episode], tok):
         steps        '7+2=9\\n' | '9-5=4\\n' | '#### 4'
         step_starts  [0, 6, 12]
     so s_0 is the prompt, s_1 the prompt + '7+2=9\\n', s_2 the prompt + '7+2=9\\n9-5=4\\n'.
-    Whether a prefix is a state depends only on its own tokens, so V_hat(s_i) is a baseline
-    that does not look at the action (docs/reference.md shows why the reference's rule is
-    biased). A response without an answer line that ends in '\n' and EOS has one more step,
-    the EOS alone. MATH's rule cuts at sentences and lines (math_grader.math_step_offsets;
-    docs/math.md), and it looks ahead, so on MATH the advantage is not exactly unbiased."""
+    Whether a prefix is a state depends only on its own tokens, which keeps A_i unbiased
+    (line_step_offsets says why). A response without an answer line that ends in '\n' and EOS
+    has one more step, the EOS alone. MATH's rule cuts at sentences and lines
+    (math_grader.math_step_offsets; docs/math.md), and it looks ahead, so on MATH the
+    advantage is not exactly unbiased."""
     for ep in episodes:
         ep.step_starts = response_step_starts(tok, ep.response_ids, math=ep.math,
                                               boxed=ep.style == "boxed")
@@ -79,8 +79,15 @@ def line_step_offsets(text: str, boxed: bool = False) -> list[int]:
     answer ('####', or '\\boxed' with boxed).
 
     To change how steps are cut, change this function. A new rule must decide each offset
-    from the text before it alone, as this one does, or A_i is biased (docs/reference.md,
-    Steps, has a worked example). token_steps, the MC values and the fork need no change.
+    from the text before it alone, as this one does. Why: take a token y of step i and h, the
+    response before it. A_i = V(s_{i+1}) - V(s_i) on y gives y's exact policy-gradient term,
+    E[(Q(h, y) - b(h)) grad log pi(y | h)], when
+      (1) s_i is decided by h, so that V(s_i) is a baseline b(h), blind to y; and
+      (2) E[V(s_{i+1}) | h, y] = E[R | h, y] = Q(h, y), which holds when whether a prefix
+          is s_{i+1} is decided by that prefix (then V(s_{i+1}) = E[R | s_{i+1}] averages to
+          E[R | h, y]).
+    A rule that looks past the offset breaks one of them (docs/reference.md, Steps, works a
+    3-token example). token_steps, the MC values and the fork need no change.
     test_every_newline_closing_its_step_is_exactly_unbiased runs this function on toy
     responses of 'a', '\\n', '####' and two ends; add a token your rule reads to its texts.
     Cases (steps split at the offsets):
@@ -235,28 +242,26 @@ def token_advantages(starts: list[int], step_adv: list[float], n_tokens: int) ->
 def token_texts(tok, ids: list[int]) -> list[str]:
     """The text each token adds to the decoded text: "".join(texts) is the text.
 
-    Decoded alone, a SentencePiece token drops its leading space ('▁9' gives '9'; its text
-    here is ' 9'), and a byte token can be part of a character: its text is '' until the
-    character is complete (incremental detokenizing; docs/reference.md). The loop on 'a €.'
-    in a byte-level BPE, '€' three byte tokens (start, read and shown after each token):
-        token  window decoded  its text  start  read  shown
-        'a'    'a'             'a'       0      1     'a'
-        'Ġ'    'a '            ' '       1      2     ' '
-        'â'    ' �'            ''        1      2     ' '      the window ends in half a
-        'Ĥ'    ' �'            ''        1      2     ' '      character: wait
-        '¬'    ' €'            '€'       2      5     '€'
-        '.'    '€.'            '.'       5      6     '.'"""
+    Token t's text is what decoding ids[:t+1] adds to the text decoded so far. Decoding a token
+    alone would not do: a SentencePiece token drops its leading space ('▁9' gives '9'), and
+    a byte token can be a part of a character. While the decoded text ends in half a character
+    ('\ufffd'), a token adds '', and the character goes to the token that completes it. On
+    'a €.' in a byte-level BPE, '€' three byte tokens:
+        token  decoded ids[:t+1]  its text
+        'a'    'a'                'a'
+        'Ġ'    'a '               ' '
+        'â'    'a �'              ''        half a character: wait
+        'Ĥ'    'a �'              ''
+        '¬'    'a €'              '€'
+        '.'    'a €.'             '.'
+    Every prefix is decoded whole: simple, and quick next to sampling the response."""
     decode = tok.backend_tokenizer.decode if hasattr(tok, "backend_tokenizer") else tok.decode
-    # Tokens before `read` have their texts. The decoded window begins at `start`, where the last
-    # non-empty text began, so that a token's leading space survives. `shown` is the window's
-    # text up to `read`, and token t's text is what the window's text up to t adds to it.
-    texts, start, read, shown = [], 0, 0, ""
+    texts, shown = [], ""  # shown: the text decoded up to the last token that added one
     for t in range(len(ids)):
-        text = decode(ids[start: t + 1], skip_special_tokens=True)
-        if len(text) > len(shown) and not text.endswith("\ufffd"):
-            texts.append(text[len(shown):])
-            start, read = read, t + 1
-            shown = decode(ids[start:read], skip_special_tokens=True)
-        else:
+        text = decode(ids[: t + 1], skip_special_tokens=True)
+        if text.endswith("\ufffd"):
             texts.append("")
+        else:
+            texts.append(text[len(shown):])
+            shown = text
     return texts
