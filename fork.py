@@ -164,7 +164,8 @@ def fork(cache, prefixes: list[list[int]], rows: list[int], k: int, new_tokens: 
     Prefix j is row rows[j] of `cache`, a right-padded pass (old_logprobs', or sample's
     encoding of the prompts), so its token t's keys and values are in column t. W is the
     longest prefix's length. Each fork's row of the new cache is a buffer of W-1 + new_tokens
-    columns, and fork fills the first W-1. A fork of t0..t3 and one of the shorter u0 u1, W = 4:
+    columns, and fork fills the first W-1. Two prefixes forked together, t = t0 t1 t2 t3 and the
+    shorter u = u0 u1 (so W = 4), column by column:
 
         column          0    1    2    3    4    5 ...
         t's ids         t0   t1   t2   t3                (the ids given to generate)

@@ -170,8 +170,8 @@ class Learner:
 def lr_factor(step: int, total: int, warmup: int) -> float:
     """The learning rate's factor at a step: a log-shaped warm-up, then linear decay to 0.
 
-    This is DeepSpeed's WarmupDecayLR, the reference's schedule. The warm-up takes at least
-    2 steps, and its first step is at lr x log 1 = 0."""
+    This is DeepSpeed's WarmupDecayLR, the reference's schedule. The warm-up's first step is
+    at lr x log 1 = 0, and its log is taken to base max(2, warmup)."""
     if step < warmup:
         return math.log(step + 1) / math.log(max(2, warmup))
     return max(0.0, (total - step) / max(1, total - warmup))

@@ -676,7 +676,7 @@ def test_forked_greedy_equals_reencoded_greedy(model):
     forked, _ = fork.continue_from_cache(model, prefixes, 3, [12] * 5, greedy, cache=cache,
                                                rows=rows)
     for prefix, row, forks in zip(prefixes, rows, forked):
-        alone, _ = rollout.sample(model, [prefix], 1, [12], greedy)  # re-encoded, unbatched
+        alone, _ = rollout.sample(model, [prefix], 1, [12], greedy)  # encoded alone, unbatched
         assert len(set(map(tuple, forks))) == 1 and forks[0] == alone[0][0]
         assert len(set(forks[0])) > 1  # a non-trivial continuation
         # the plain fork of this one state

@@ -196,8 +196,10 @@ def continuation_rewards(model, episodes, cache, states: dict, keys: list, k: in
     forked from the old-log-prob pass's cache in one batched call (fork.continue_from_cache).
     A continuation that did not stop within its budget scores 0. keys may name a state twice
     (state_rewards does, when states want different counts)."""
-    holders = [states[key] for key in keys]  # (e, b): episodes[e], row e of the cache, holds it
-    budgets = [sampling.max_new_tokens - b for _, b in holders]  # what the response's b leaves
+    # (e, b): the state is episodes[e]'s prompt + response[:b], and row e of the cache holds it
+    holders = [states[key] for key in keys]
+    # a continuation may add what the response's budget leaves after its first b tokens
+    budgets = [sampling.max_new_tokens - b for _, b in holders]
     prefixes = [list(key) for key in keys]  # prompt + response up to the step start
     if cache is None:
         conts, finished = rollout.sample_by_definition(model, prefixes, k, budgets, sampling)
