@@ -1,14 +1,15 @@
 """The PPO update that every method shares, and the advantages that differ between them.
 
-Each method gives every response token an advantage A_t: VinePPO from MC values (vine.py), PPO
-and TPPO by GAE on a critic's values, GRPO from the rewards of a response's group. The update
-is then the same: clipped PPO with a KL penalty (ppo_loss), on whitened advantages, by AdamW.
+Each method gives every response token an advantage A_t, in its own way. VinePPO takes it from
+MC values (vine.py). PPO and TPPO run GAE on a critic's values. GRPO uses the rewards of the
+response's group. The update is then the same for all: clipped PPO with a KL penalty
+(ppo_loss), on whitened advantages, by AdamW.
 
 Read in order: the estimators (masked_whiten, gae, group_advantages, k3_kl), ppo_loss,
 assign_advantages, then the update (Learner, ppo_update, minibatch_step, collate).
-The update's tensors are [B, L-1], one column per action: column t holds token t+1's log-prob,
-advantage and so on (rollout.py's figure).
-Below the first line: why micro-batches and processes change no gradient.
+The update's tensors are [B, L-1], with one column per action. Column t holds token t+1's
+log-prob, advantage and so on, as in rollout.py's figure.
+Below the first separator line: why micro-batches and processes change no gradient.
 Below the second: the optimizer step, with its guard against a non-finite gradient.
 """
 import math
@@ -31,7 +32,7 @@ def masked_mean(x, mask, dim=None):
 def masked_whiten(x, mask, eps: float = 1e-8, all_reduce=lambda t: t):
     """Whiten the masked entries: (x - mean) / sqrt(var + eps), with the unbiased variance.
 
-    Under several processes, all_reduce sums the mean's and variance's terms over all of them."""
+    With several processes, all_reduce sums the mean's and the variance's terms over them all."""
     total, n = all_reduce(torch.stack([(x * mask).sum(), mask.sum()]))
     mean = total / n.clamp(min=1)
     var = all_reduce(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
@@ -39,7 +40,7 @@ def masked_whiten(x, mask, eps: float = 1e-8, all_reduce=lambda t: t):
 
 
 def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
-    """Generalized advantage estimation on [B, T] rows; returns the advantages and A + V.
+    """Return the advantages A of [B, T] rows by generalized advantage estimation, and A + V.
 
     GAE (Schulman et al. 2016, eq. 16), with V(s_T) = 0 after the last token:
         delta_t = r_t + gamma V(s_{t+1}) - V(s_t),   A_t = delta_t + gamma lam A_{t+1}"""
@@ -54,13 +55,13 @@ def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-6):
-    """GRPO's advantage of each of N responses: its reward, normalised within its group.
+    """Return GRPO's advantage for each of N responses: its reward, normalised within its group.
 
     GRPO (Shao et al. 2024, arXiv 2402.03300, §4.1.2), with the population std:
         A = (R - mean of its group) / (std of its group + eps)
-    The loss is ppo_loss's, a token mean over the minibatch (DAPO's token-level loss, Yu et
-    al. 2025, arXiv 2503.14476, §3.3), not DeepSeekMath's per-response mean (§4.1, eq. 3).
-    docs/reference.md says where this differs from other GRPO code."""
+    The loss is ppo_loss's, a token mean over the minibatch. That is DAPO's token-level loss
+    (Yu et al. 2025, arXiv 2503.14476, §3.3), not DeepSeekMath's per-response mean (§4.1,
+    eq. 3). docs/reference.md says where this differs from other GRPO code."""
     adv = torch.empty_like(rewards)
     for g in group.unique():
         r = rewards[group == g]
@@ -78,33 +79,35 @@ def k3_kl(logp, ref_logp):
     """Schulman's k3 estimate of KL(pi || pi_ref) at each sampled token (never negative).
 
         k3 = exp(d) - d - 1,   d = log pi_ref - log pi       (DeepSeekMath, eq. 4)
-    Its value estimates KL(pi || pi_ref). As a loss on sampled tokens, its expected gradient
-    is that of KL(pi_ref || pi), sum_x (pi - pi_ref) grad log pi, as in the reference and GRPO."""
+    Its value estimates KL(pi || pi_ref). But as a loss on sampled tokens, its expected gradient
+    is that of KL(pi_ref || pi), which is sum_x (pi - pi_ref) grad log pi. The reference and
+    GRPO use k3 the same way."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
 
 def ppo_loss(logp, old_logp, ref_logp, adv, mask, clip: float = 0.2, kl_coef: float = 1e-4,
              max_ratio: float = 10.0, *, over=None):
-    """The clipped PPO loss plus a KL penalty, on the N responses given.
+    """Return the clipped PPO loss plus a KL penalty on the N responses given, and its stats.
 
-    logp, old_logp, ref_logp, adv and mask are [N, L-1]; mask is 1 on the response's tokens.
-    Clipped PPO (Schulman et al. 2017, eq. 7) with r_t = pi / pi_old, and the KL penalty of
-    VinePPO (arXiv 2410.01679v1, §5):
+    logp, old_logp, ref_logp, adv and mask are [N, L-1]. mask is 1 on the response's tokens.
+    The loss is clipped PPO (Schulman et al. 2017, eq. 7) with r_t = pi / pi_old, plus the KL
+    penalty of VinePPO (arXiv 2410.01679v1, §5):
 
         L = 1/n sum_t max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps)) + beta/N sum_seq sum_t k3_t
 
-    n is the number of response tokens, and each k3_t is clamped to [0, 10].
-    When the mean ratio passes max_ratio the batch is skipped: its loss is multiplied by 0.
-    A micro-batch passes `over`, the whole minibatch's (n, N): see the block below
-    minibatch_step. On one process with no micro-batches it is left out."""
+    n is the number of response tokens. Each k3_t is clamped to [0, 10].
+    When the mean ratio passes max_ratio, the batch is skipped: its loss is multiplied by 0.
+    A micro-batch passes `over`, the whole minibatch's (n, N), so its loss is its part of the
+    minibatch's loss. On one process with no micro-batches, `over` is left out. The block below
+    minibatch_step says more."""
     n_tokens, n_responses = (mask.sum().clamp(min=1), mask.shape[0]) if over is None else over
-    mean = lambda x: (x * mask).sum() / n_tokens  # the token mean (a micro-batch: its part)
+    mean = lambda x: (x * mask).sum() / n_tokens  # the token mean (of a micro-batch: its part)
     log_ratio = (logp - old_logp) * mask
     ratio = torch.exp(log_ratio)
     policy_loss = mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)))
-    # k3 of the response's tokens only: elsewhere ref_logp is 0, not a log-prob, and exp(d)
-    # could overflow to inf there, which times the mask's 0 is NaN
+    # k3 of the response's tokens only. Elsewhere ref_logp is 0, not a log-prob, so exp(d)
+    # could overflow to inf there, and inf times the mask's 0 is NaN
     k3 = (k3_kl(torch.where(mask > 0, logp, ref_logp), ref_logp) * mask).clamp(0, 10)
     kl = k3.sum(-1).sum() / n_responses
     loss = policy_loss + kl_coef * kl
@@ -135,8 +138,8 @@ def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic:
         for ep, a in zip(episodes, adv):
             ep.advantages = torch.full((len(ep.response_ids),), a.item())
         return {}
-    # ppo / tppo: GAE on the critic's values, the reward on the last token
-    # [N, T], right-padded
+    # ppo / tppo: GAE on the critic's values, with the reward on the last token.
+    # The rows are [N, T], right-padded.
     pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
     values = pad([ep.critic_values for ep in episodes])
     mask = pad([torch.ones(len(ep.critic_values)) for ep in episodes])
@@ -154,12 +157,12 @@ def assign_advantages(algo: str, episodes, gamma: float, lam: float, lam_critic:
 class Learner:
     """A model being trained, with its AdamW state and LR schedule.
 
-    Both are kept across iterations, as in the reference: no iteration starts afresh."""
+    Both are kept across iterations, as in the reference, so no iteration starts afresh."""
 
     def __init__(self, model, lr: float, total_steps: int, warmup_steps: int, fsdp: bool, device):
         self.model = model  # the weights (saved, evaluated)
-        # what the update's forward passes call: the model itself in one process, else the
-        # DDP or FSDP wrapper (FSDP shards before AdamW is built)
+        # what the update's forward passes call. In one process it is the model itself, else
+        # the DDP or FSDP wrapper. FSDP shards the model before AdamW is built.
         self.wrapped = parallel.wrap(model, fsdp, device)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
                                            weight_decay=0.0)
@@ -170,8 +173,8 @@ class Learner:
 def lr_factor(step: int, total: int, warmup: int) -> float:
     """The learning rate's factor at a step: a log-shaped warm-up, then linear decay to 0.
 
-    This is DeepSpeed's WarmupDecayLR, the reference's schedule. The warm-up's first step is
-    at lr x log 1 = 0, and its log is taken to base max(2, warmup)."""
+    This is DeepSpeed's WarmupDecayLR, the reference's schedule. The warm-up's first
+    step is at lr x log 1 = 0. The warm-up's log is taken to base max(2, warmup)."""
     if step < warmup:
         return math.log(step + 1) / math.log(max(2, warmup))
     return max(0.0, (total - step) / max(1, total - warmup))
@@ -216,8 +219,9 @@ def minibatch_step(batch, policy, critic, hp: PPOSettings, pad_id: int, device, 
                    log) -> None:
     """One minibatch: the loss's backward pass, then a step of each learner.
 
-    The minibatch runs as micro-batches of hp.micro_batch responses, whose gradients add up
-    to the whole minibatch's (below the line). policy None: the policy does not move."""
+    The minibatch runs as micro-batches of hp.micro_batch responses. Their gradients add up to
+    the whole minibatch's gradient, as the block below explains. With policy None, the policy
+    does not move."""
     ids, mask, fields = collate(batch, pad_id, device)
     if hp.whiten:  # with the statistics of the whole minibatch, all processes' rows together
         fields["advantages"] = masked_whiten(fields["advantages"], fields["action_mask"],
@@ -253,8 +257,8 @@ def collate(episodes, pad_id, device):
     """Pad the episodes into one batch: ids [B, L], their mask, and per-token fields [B, L-1].
 
     Column t of a field belongs to token t+1, the token whose log-prob is there.
-    Response token j is at column P-1+j (rollout.py's figure). action_mask is 1 there, and
-    old_logp, ref_logp, advantages, ... hold the episode's [T] values there, 0 elsewhere."""
+    Response token j is at column P-1+j, as in rollout.py's figure. action_mask is 1 there.
+    old_logp, ref_logp, advantages, ... hold the episode's [T] values there, and 0 elsewhere."""
     ids, mask = rollout.pad_right([ep.prompt_ids + ep.response_ids for ep in episodes],
                                   pad_id, device)
     names = ("old_logp", "ref_logp", "advantages", "critic_values", "returns")
@@ -272,14 +276,14 @@ def collate(episodes, pad_id, device):
 
 
 # ---- micro-batches and processes change no gradient (a first reading may skip this) ------------
-# The losses are means over the whole minibatch. It may run as micro-batches (--micro-batch),
-# on W processes (torchrun), each process with its own rows. Then:
-# - each micro-batch's loss is its part of the mean: its sum, divided by the whole minibatch's
-#   counts over all processes (minibatch_counts; ppo_loss's `over`, Critic.loss's `n`);
-# - the parts' gradients add up, over the micro-batches, to the minibatch's gradient;
-# - DDP and FSDP average the W processes' gradients, so each part's backward is of W x the part.
-# So --micro-batch and W change no gradient (test_precision.py checks it to 6 digits). The one
-# exception: ppo_loss skips rows whose mean ratio passes max_ratio, decided per micro-batch.
+# The losses are means over the whole minibatch. The minibatch may run as micro-batches
+# (--micro-batch), and on W processes (torchrun), each process with its own rows. Then:
+# - Each micro-batch's loss is its part of the mean: its sum, divided by the whole minibatch's
+#   counts over all processes (minibatch_counts). ppo_loss gets them as `over`, Critic.loss as `n`.
+# - Over the micro-batches, the parts' gradients add up to the minibatch's gradient.
+# - DDP and FSDP average the W processes' gradients. So each part's backward is of W x the part.
+# So --micro-batch and W change no gradient. The one exception: ppo_loss skips rows whose mean
+# ratio passes max_ratio, decided per micro-batch. Checked to 6 digits by test_precision.py.
 
 def minibatch_counts(fields: dict, critic) -> dict:
     """The counts the minibatch's losses divide by, summed over the processes.
@@ -295,10 +299,11 @@ def minibatch_counts(fields: dict, critic) -> dict:
 
 
 def backward_part(loss, stats: dict, into: list):
-    """Backward of a micro-batch's part of the minibatch's loss, times the number of processes.
+    """Run backward on a micro-batch's part of the minibatch's loss, times the process count.
 
-    Its stats are kept when the loss is finite. A non-finite loss runs backward too (under DDP
-    every process must): the gradient norm turns non-finite and optimizer_step skips the step."""
+    Its stats are kept when the loss is finite. A non-finite loss runs backward too, because
+    under DDP every process must. The gradient norm then turns non-finite, and optimizer_step
+    skips the step."""
     if torch.isfinite(loss):
         into.append(stats)
     (loss * parallel.world_size()).backward()

@@ -1,12 +1,12 @@
 """This file samples responses to prompts and computes their log-probs (arXiv 2410.01679v1, §3).
 
-Each prompt is encoded once; its KV cache is then forked k times, and HF `generate` samples on
-from each fork (fork.py). VinePPO's MC continuations take the same path, starting from the cache
-of the old-log-prob pass, which holds every state of a response (vine.py).
+Each prompt is encoded once. Its KV cache is then forked k times, and HF `generate` samples a
+response from each fork (fork.py). VinePPO's MC continuations take the same path. They start
+from the cache of the old-log-prob pass, which holds every state of a response (vine.py).
 
-Notation (here and in vine.py, value.py and ppo.py): a sequence is a prompt of P tokens followed
-by a response of T tokens, and s_i is the state before reasoning step i. This figure shows which
-column holds what, for the prompt <s> q1 q2 (P = 3) and the response a b </s> (T = 3):
+The notation is shared with vine.py, value.py and ppo.py. A sequence is a prompt of P tokens
+followed by a response of T tokens. s_i is the state before reasoning step i. The figure shows
+which column holds what, for the prompt <s> q1 q2 (P = 3) and the response a b </s> (T = 3):
 
     column c      0     1     2     3     4     5
     ids           <s>   q1    q2    a     b     </s>   right-padded: column c holds token c
@@ -15,8 +15,9 @@ column holds what, for the prompt <s> q1 q2 (P = 3) and the response a b </s> (T
     critic                    V_0   V_1   V_2   V_3    value.py: the state ending at token c,
                                                        [B, L]
 
-Response token j sits at column P-1+j in every [B, L-1] tensor (its log-prob, its advantage,
-...), and so does V_j, the value of the state before it (rollout.response_columns).
+Every [B, L-1] tensor, such as the log-probs or the advantages, holds response token j's entry
+at column P-1+j (response_columns). The critic's V_j, the value of the state before token j, is
+at the same column.
 
 Reading order: Sampling, Episode, sample_episodes, sample, old_logprobs, reference_logprobs,
 response_logprobs, pad_right, token_logprobs, response_columns, per_response; helpers below.
@@ -38,18 +39,18 @@ LOGPROB_CHUNK_TOKENS = 1024  # positions per log-softmax (a 32k vocabulary: 128 
 class Sampling:
     """The settings for sampling responses, MC continuations and evaluation answers.
 
-    They come from train.py's --temperature, --top-p, --max-new-tokens and --max-batch-tokens;
-    evaluation replaces the temperature with its own."""
-    temperature: float   # sample softmax(logits / T); every log-prob divides by T too; 0 = greedy
+    They come from train.py's --temperature, --top-p, --max-new-tokens and --max-batch-tokens.
+    Evaluation replaces the temperature with its own."""
+    temperature: float   # T: sample softmax(logits / T). Every log-prob divides by T too. 0: greedy
     top_p: float         # nucleus sampling, which the log-probs do not model (exact at 1.0)
-    max_new_tokens: int  # a response's budget; an MC continuation gets what its prefix leaves
+    max_new_tokens: int  # a response's token budget. An MC continuation's is this minus its prefix
     eos_id: int          # the id a finished response ends in (the stop string's cut appends it)
     pad_id: int
     stop: str | None = None        # a string that ends a response and is cut off (reward.STOP)
     tokenizer: object = None       # decodes text, for the stop string and for grading
     max_batch_tokens: int = 65536  # one generate call's budget, rows x (prefix + new tokens)
     eos_ids: tuple[int, ...] = ()  # more ids that end a response (generation config, chat turn)
-    fork: bool = True              # False (--no-fork): every sample by sample_by_definition
+    fork: bool = True              # False (--no-fork): sample everything by sample_by_definition
 
     @property
     def stops(self) -> tuple[int, ...]:
@@ -61,13 +62,13 @@ class Sampling:
 class Episode:
     """One sampled response and everything computed from it, in token space.
 
-    T is len(response_ids) and n the number of steps. The table lists which function sets each
-    field, in the order of train.py's loop (phase number in brackets), and who reads it:
+    T is len(response_ids), and n is the number of steps. For each field, the table gives the
+    function that sets it, with its phase of train.py's loop in parentheses, and who reads it:
 
     field          shape / type  set by (phase)                          read by
     prompt_ids     list [P]      sample_episodes (2), the problem's      every forward pass
     response_ids   list [T]      sample_episodes (2); EOS if it stopped  every forward pass
-                                 (after a stop string: appended, not sampled, yet trained on)
+                                 (a stop string's EOS is appended, not sampled, yet trained on)
     gold, question str           sample_episodes (2), the problem's      grading
     math           bool          sample_episodes (2): a MATH problem     grading, split_steps
     group          int           sample_episodes (2): its prompt's index GRPO, group_chunks
@@ -93,7 +94,7 @@ class Episode:
     step_counts: list[int] = field(default_factory=list)    # the samples behind each (reuse)
     advantages: torch.Tensor | None = None     # [T] one per response token
     old_logp: torch.Tensor | None = None       # [T] log-probs under the sampling policy
-    ref_logp: torch.Tensor | None = None       # [T] log-probs under the reference
+    ref_logp: torch.Tensor | None = None       # [T] log-probs under the reference model
     critic_values: torch.Tensor | None = None  # [T] the critic's V before each response token
     returns: torch.Tensor | None = None        # [T] the critic's regression targets
     question: str = ""                         # the problem (MATH's grader reads it)
@@ -102,7 +103,7 @@ class Episode:
 
 
 def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> list[Episode]:
-    """Sample k responses to each problem and grade them; an unfinished response scores 0."""
+    """Sample k responses to each problem and grade them. An unfinished response scores 0."""
     prompts = [p["prompt_ids"] for p in problems]
     conts, finished = sample(model, prompts, k, [sampling.max_new_tokens] * len(prompts),
                              sampling)
@@ -120,13 +121,13 @@ def sample_episodes(model, problems: list[dict], k: int, sampling: Sampling) -> 
 @torch.no_grad()
 def sample_by_definition(model, states: list[list[int]], k: int, budgets: list[int],
                          sampling):
-    """Sample k continuations of each state by definition, and whether each finished ([n][k]).
+    """Sample k continuations of each state by definition, with a finished flag for each.
 
-    Each state (a prompt, or VinePPO's prompt + response prefix) is encoded afresh and
-    `generate` samples k rows of what follows it. Each budget is cut to what the model's
-    context leaves (generation.within_context). Each row is cut after its end id, to its budget
-    and before the stop string (generation.finish), and it is finished when it stopped by
-    itself."""
+    Both results are [n][k]. A state is a prompt, or in VinePPO a prompt + response prefix.
+    Each state is encoded afresh, and `generate` samples k rows of what follows it.
+    First each budget is cut to what the model's context leaves (generation.within_context).
+    Then generation.finish cuts each row after its end id, to its budget, and before the stop
+    string. A row is finished when it stopped by itself."""
     budgets = generation.within_context(model, states, budgets)
     device, conts, finished = next(model.parameters()).device, [], []
     for state, budget in zip(states, budgets):
@@ -144,11 +145,11 @@ def sample_by_definition(model, states: list[list[int]], k: int, budgets: list[i
 
 @torch.no_grad()
 def sample(model, prefixes: list[list[int]], k: int, budgets: list[int], sampling: Sampling):
-    """Sample k continuations of each prefix; return them and their finished flags ([n][k]).
+    """Sample k continuations of each prefix, with a finished flag for each ([n][k]).
 
-    By definition this is sample_by_definition, which it runs under --no-fork. Otherwise it is
-    the same distribution, faster: each prefix is encoded once, in the batch it will decode in,
-    and that batch's cache is forked k times (fork.continue_from_cache)."""
+    By definition this is sample_by_definition, which it runs under --no-fork. Otherwise it
+    samples the same distribution faster. Each prefix is encoded once, in the batch it will
+    decode in. Then that batch's cache is forked k times (fork.continue_from_cache)."""
     if not prefixes:  # e.g. a process whose share of a small evaluation set is empty
         return [], []
     if not sampling.fork:
@@ -174,9 +175,10 @@ def old_logprobs(model, episodes: list[Episode], temperature: float, pad_id: int
                  keep_cache: bool = False):
     """Set each ep.old_logp ([T]) with one forward pass over the episodes.
 
-    With keep_cache it returns the pass's KV cache, whose row e holds episodes[e], for VinePPO
-    to fork; otherwise None. Attention is causal, so the keys and values of a state's tokens in
-    this pass are those the state would have alone: every state of a response is in its row."""
+    With keep_cache it returns the pass's KV cache, for VinePPO to fork. Otherwise it returns
+    None. Row e of the cache holds episodes[e]. Attention is causal, so the keys and values of a
+    state's tokens in this pass are those the state would have alone. Hence every state of a
+    response is already in the response's row."""
     logps, cache = response_logprobs(model, episodes, temperature, pad_id, keep_cache)
     for ep, lp in zip(episodes, logps):
         ep.old_logp = lp
@@ -187,7 +189,8 @@ def reference_logprobs(ref, episodes: list[Episode], temperature: float, pad_id:
                        batch_tokens: int):
     """Set each ep.ref_logp ([T]) under the frozen reference model, once per iteration.
 
-    It runs before the epochs, so the KL's target stays put (docs/reference.md)."""
+    It runs before the epochs, so the KL's target stays put during the update.
+    See docs/reference.md."""
     for chunk in batching.group_chunks(episodes, batch_tokens):
         for ep, lp in zip(chunk, response_logprobs(ref, chunk, temperature, pad_id)[0]):
             ep.ref_logp = lp
@@ -204,8 +207,9 @@ def response_logprobs(model, episodes: list[Episode], temperature: float, pad_id
 
 
 def pad_right(seqs: list[list[int]], pad_id: int, device=None):
-    """Right-pad the sequences into ids [B, L] and a mask, each row's token t in column t
-    (fork.fork relies on it)."""
+    """Right-pad the sequences into ids [B, L] and a mask.
+
+    Each row's token t is in column t. fork.fork relies on this."""
     rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
     ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
     mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
@@ -215,8 +219,8 @@ def pad_right(seqs: list[list[int]], pad_id: int, device=None):
 def token_logprobs(model, ids, mask, temperature: float, keep_cache: bool = False):
     """Compute log pi(x_{t+1} | x_<=t) under softmax(logits / T), [B, L-1], and the KV cache.
 
-    Column t predicts token t+1 (the figure at the top). The logits are divided by the sampling
-    temperature, as the reference does (docs/reference.md)."""
+    Column t predicts token t+1, as in the figure at the top. The logits are divided by the
+    sampling temperature T, as the reference does (docs/reference.md)."""
     out = model(input_ids=ids, attention_mask=mask, use_cache=keep_cache)
     logp = chosen_logprobs(out.logits[:, :-1], ids[:, 1:], temperature)
     # out.cache: transformers 5's name for what transformers 4 called past_key_values
@@ -237,13 +241,16 @@ def per_response(logp, episodes):
 
 
 def pad_id(tok) -> int:
-    """The tokenizer's pad id, or its EOS id when it has none (Llama); padding is masked anyway."""
+    """Return the tokenizer's pad id, or its EOS id when it has none (Llama).
+
+    Padding is masked anyway."""
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
 def chosen_logprobs(logits, targets, temperature: float, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
-    """log_softmax(logits / T) at each target, in fp32 or wider, a few positions at a time so
-    that two fp32 copies of all the logits never exist at once."""
+    """Return log_softmax(logits / T) at each target, in fp32 or wider.
+
+    It works a few positions at a time, so two fp32 copies of all the logits never exist at once."""
     step = max(1, chunk_tokens // logits.shape[0])
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32 (float64 stays)
     pieces = []

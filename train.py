@@ -5,11 +5,11 @@
     python train.py --model rho-math-1.1b --data math   # the paper's MATH row (its SFT start)
     torchrun --nproc_per_node 8 train.py --model rho-math-1.1b --data gsm8k   # 8 GPUs, DDP
 
-This file is the only entry point. The loop in main is Algorithm 1 of the VinePPO paper, a
-block for each phase: 1. draw prompts, 2. sample and grade responses, 3. cut them into steps,
-4. old log-probs, 5. values (VinePPO's MC values, or a critic's), 6. advantages, 7. reference
-log-probs, 8. epochs of clipped PPO, 9. evaluate, log and save.
-Read Config and its presets, then main; the command line at the end can wait.
+This file is the only entry point. The loop in main is Algorithm 1 of the VinePPO paper, with
+one block per phase. The phases are 1. draw prompts, 2. sample and grade responses, 3. cut them
+into steps, 4. old log-probs, 5. values (VinePPO's MC values, or a critic's), 6. advantages,
+7. reference log-probs, 8. epochs of clipped PPO, 9. evaluate, log and save.
+Read Config and its presets first, then main. The command line at the end can wait.
 """
 import signal
 import sys
@@ -44,12 +44,12 @@ from engineering import checkpoint, models, parallel, prompts, settings, start, 
 from engineering.settings import DEVICE, LR, STEPS, TRAPS, above, arg, at_least, between, one_of
 
 
-# ---- the settings: python train.py --help lists them; a rule (at_least(0), LR, ...) is a test
-# and the words for what it expects (engineering/settings.py)
+# ---- the settings, which python train.py --help lists. Each one's rule (at_least(0), LR, ...)
+# is a test plus the words for what it expects (engineering/settings.py)
 @dataclasses.dataclass
 class Config:
-    """Defaults follow the reference's rho-1.1B GSM8K run; DEMO below overrides a few for
-    --model tiny."""
+    """The defaults follow the reference's rho-1.1B GSM8K run. DEMO, below, overrides a
+    few of them for --model tiny."""
     model: str = arg("tiny", "'tiny' (built offline), 'rho-math-1.1b', or "
                              "any HF model id / local path")
     data: str = arg("arith", "'arith' (built-in), 'gsm8k', 'math' (hub), or a .jsonl of "
@@ -164,13 +164,13 @@ DEMO = dict(iterations=20, prompts_per_iter=32, samples_per_prompt=8, mc_rollout
             sft_batch=16, sft_lr=1e-3, arith_slip=0.25, max_batch_tokens=32768, critic_lr=1e-4)
 
 
-# Where the reference's MATH run differs from GSM8K's: for --data math or MATH problems in a .jsonl
+# Where the reference's MATH run differs from its GSM8K run, for --data math or a .jsonl of MATH
 MATH = dict(iterations=1000, max_value_states=0)
 PRESETS = ((DEMO, "in the demo (--model tiny)"), (MATH, "with MATH data"))
 
 
 def main(cfg: Config):
-    rank, world, device, autocast = start.start_process(cfg)  # torchrun: rank of world GPUs
+    rank, world, device, autocast = start.start_process(cfg)  # torchrun: GPU `rank` of `world`
     run = start.start_run(cfg, device, autocast)  # data, models, and where the run stands
     tok, policy, critic = run.tok, run.policy, run.critic
     sampling, mc, cheaper, hp = algorithm_settings(cfg, tok, policy.model, world)
@@ -182,7 +182,7 @@ def main(cfg: Config):
 
     watch = None
     for it in range((run.iterations_done or 0) + 1, cfg.iterations + 1):
-        # each phase's block is timed (time_rollout, ...); the models it runs are under autocast
+        # each phase's block is timed (time_rollout, ...), and runs its models under autocast
         watch = parallel.Stopwatch(watch, autocast)
         with watch.phase("time_rollout", policy.model):
             # 1. prompts, 2. responses and their rewards, 3. steps
@@ -241,8 +241,8 @@ def logprobs_and_values(cfg: Config, episodes, policy, critic, sampling, mc, che
                         watch) -> collections.Counter:
     """Phases 4 and 5: sets the old log-probs, then the values, and returns the MC counts.
 
-    The log-prob pass runs a chunk of prompts at a time (batching.group_chunks), and VinePPO
-    forks that pass's KV cache (row e is chunk[e]) before the next chunk's pass.
+    The log-prob pass runs one chunk of prompts at a time (batching.group_chunks). VinePPO forks
+    that pass's KV cache, whose row e holds chunk[e], before the next chunk's pass.
     PPO and TPPO take the critic's V(s_t) before each token instead."""
     mc_counts, keep = collections.Counter(), cfg.algo == "vineppo" and sampling.fork
     with watch.autocast, parallel.unsharded(policy.model):
